@@ -1,0 +1,23 @@
+"""BigBird models in PyTorch (block-sparse attention, weight-compatible with the public
+Hugging Face checkpoints) and training code.
+
+`model.layout` and `model.tokenization` are pure NumPy / tokenizers and importable without
+torch (the service uses them). Everything torch-backed is loaded lazily on first attribute
+access, so `import model.layout` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it (torch-backed; imported on first use)
+_LAZY = {
+    "load_pretrained": "model.checkpoint",
+    "save_pretrained": "model.checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'model' has no attribute {name!r}")

@@ -9,8 +9,8 @@ import argparse
 import importlib
 import sys
 
-# (module, what it provides) in help order; a package that is missing is skipped.
-_COMMAND_MODULES = ("service.cli", "export.cli", "model.cli")
+# modules with add_commands(subparsers), in help order; a module not written yet is skipped.
+_COMMAND_MODULES = ("service.cli", "export.cli", "export.eval_cli", "model.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

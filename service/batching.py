@@ -1,0 +1,142 @@
+"""The batching policy: which queued sequences run together next. Pure and synchronous (no
+asyncio, no clock of its own: callers pass `now`), so it is tested on its own; the batcher task in
+`service/batcher.py` is its only owner.
+
+Rules, in order:
+- Every sequence is charged its *bucket* length: its token count rounded up to the bucket size
+  (the model's block size), because the encoder pads to a block multiple anyway. A batch only holds
+  sequences of one bucket, so short documents are never padded to long ones, and the padded cost
+  of a batch is `bucket_length * count` exactly.
+- A batch never costs more than the token budget nor holds more than `max_batch_size` sequences.
+  The one exception is a single sequence whose bucket alone exceeds the budget: it runs alone
+  (refusing it would starve it; the caller bounds sequence length separately).
+- FIFO fairness across buckets: once the oldest queued sequence has waited `max_wait_s`, the next
+  batch is taken from its bucket and starts with it. Before that, a bucket that can fill a whole
+  batch may go first. So no sequence waits longer than `max_wait_s` plus the batches already ready.
+- Cancelled sequences (client gone, deadline passed) are dropped when met and handed back through
+  `drop_cancelled`, never batched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(eq=False)
+class Entry:
+    """One queued sequence. `payload` is the caller's (e.g. a future); the policy never reads it."""
+
+    length: int  # tokens, before padding
+    arrival: float  # seconds, the caller's clock
+    payload: Any = None
+    is_cancelled: Callable[[], bool] = field(default=lambda: False, repr=False)
+    seq: int = -1  # arrival order, set by append
+
+
+@dataclass(frozen=True)
+class Batch:
+    entries: tuple[Entry, ...]
+    bucket_length: int  # every entry is padded to this
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.bucket_length * len(self.entries)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(e.length for e in self.entries)
+
+
+class BatchingPolicy:
+    def __init__(self, max_batch_tokens: int, max_batch_size: int, max_wait_s: float, bucket_size: int):
+        if max_batch_tokens < 1 or max_batch_size < 1 or bucket_size < 1 or max_wait_s < 0:
+            raise ValueError("batching limits must be positive")
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.bucket_size = bucket_size
+        self._buckets: dict[int, deque[Entry]] = {}
+        self._order: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry, arrival order
+        self._next_seq = 0
+        self._cancelled: list[Entry] = []
+        self.queued_tokens = 0
+
+    def bucket_of(self, length: int) -> int:
+        return max(1, -(-length // self.bucket_size)) * self.bucket_size
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def append(self, entry: Entry) -> None:
+        if entry.length < 1:
+            raise ValueError("an entry has at least one token")
+        entry.seq = self._next_seq
+        self._next_seq += 1
+        self._buckets.setdefault(self.bucket_of(entry.length), deque()).append(entry)
+        self._order[entry.seq] = entry
+        self.queued_tokens += entry.length
+
+    def _remove(self, entry: Entry) -> None:
+        del self._order[entry.seq]
+        self.queued_tokens -= entry.length
+
+    def _prune(self) -> None:
+        """Move cancelled entries out of the queue (they come back from drop_cancelled)."""
+        for bucket, entries in list(self._buckets.items()):
+            kept = deque()
+            for e in entries:
+                if e.is_cancelled():
+                    self._remove(e)
+                    self._cancelled.append(e)
+                else:
+                    kept.append(e)
+            if kept:
+                self._buckets[bucket] = kept
+            else:
+                del self._buckets[bucket]
+
+    def drop_cancelled(self) -> list[Entry]:
+        """Entries found cancelled since the last call (the caller fails their futures)."""
+        self._prune()
+        dropped, self._cancelled = self._cancelled, []
+        return dropped
+
+    def _capacity(self, bucket: int, budget: int) -> int:
+        return max(1, min(self.max_batch_size, budget // bucket))
+
+    def next_wakeup(self) -> float | None:
+        """When the oldest entry's wait runs out (caller's clock), or None if the queue is empty."""
+        if not self._order:
+            return None
+        return next(iter(self._order.values())).arrival + self.max_wait_s
+
+    def next_batch(self, now: float, budget: int | None = None, force: bool = False) -> Batch | None:
+        """The next batch to run, removed from the queue, or None if nothing should run yet.
+        `budget` overrides max_batch_tokens (e.g. a worker's own limit); `force` releases the
+        oldest entry's bucket without waiting (e.g. when draining)."""
+        budget = self.max_batch_tokens if budget is None else budget
+        self._prune()
+        if not self._order:
+            return None
+        oldest = next(iter(self._order.values()))
+        head_bucket = self.bucket_of(oldest.length)
+        if force or now - oldest.arrival >= self.max_wait_s:
+            chosen = head_bucket
+        else:  # a full bucket may go before the head's wait runs out; oldest full bucket first
+            full = [
+                (entries[0].seq, b)
+                for b, entries in self._buckets.items()
+                if len(entries) >= self._capacity(b, budget)
+            ]
+            if not full:
+                return None
+            chosen = min(full)[1]
+        entries = self._buckets[chosen]
+        take = [entries.popleft() for _ in range(min(len(entries), self._capacity(chosen, budget)))]
+        if not entries:
+            del self._buckets[chosen]
+        for e in take:
+            self._remove(e)
+        return Batch(tuple(take), chosen)

@@ -1,0 +1,136 @@
+"""Block-sparse attention: equals the dense oracle for every pattern, and transformers' BigBird."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model.attention import MASK_PENALTY, block_sparse_attention, dense_reference_attention, layout_tensors
+from model.layout import PATTERNS, AttentionSpec, build_layout
+
+torch.set_num_threads(1)
+
+
+def _qkv(B, H, S, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g) for _ in range(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pattern=st.sampled_from(PATTERNS),
+    plan=st.sampled_from(["hf-train", "hf-eval", "seeded"]),
+    n_blocks=st.integers(5, 14),
+    block_size=st.sampled_from([1, 2, 4]),
+    num_heads=st.integers(1, 3),
+    batch=st.integers(1, 3),
+    r=st.integers(0, 3),
+    layer=st.integers(0, 3),
+    pad=st.lists(st.integers(0, 30), min_size=3, max_size=3),
+    seed=st.integers(0, 1000),
+)
+def test_sparse_equals_dense_reference(pattern, plan, n_blocks, block_size, num_heads, batch, r, layer, pad, seed):
+    if pattern == "bigbird_etc":
+        plan = "seeded"
+    if pattern == "bigbird" and plan == "hf-train":
+        n_blocks = max(n_blocks, 6 + 2 * r)  # lengths transformers runs block-sparse
+    spec = AttentionSpec(pattern, block_size, num_random_blocks=r, plan=plan, seed=seed, num_global_tokens=block_size + 1, stride=3)
+    lt = layout_tensors(build_layout(spec, n_blocks, num_heads, layer))
+    S, D = n_blocks * block_size, 4
+    q, k, v = _qkv(batch, num_heads, S, D, seed)
+    key_mask = torch.ones(batch, S)
+    for b in range(batch):
+        key_mask[b, S - min(pad[b], S - 1) :] = 0  # right padding, at least one real token
+    out = block_sparse_attention(q, k, v, lt, key_mask)
+    ref = dense_reference_attention(q, k, v, lt, key_mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (out.transpose(1, 2)[key_mask == 0] == 0).all()  # padded query positions are zero
+
+
+def test_duplicates_count_with_multiplicity():
+    # hf-eval: block 0 counted r+1 times in every non-global row; the oracle must agree
+    spec = AttentionSpec("bigbird", 2, num_random_blocks=3, plan="hf-eval")
+    lt = layout_tensors(build_layout(spec, 8, 2, 0))
+    q, k, v = _qkv(2, 2, 16, 4, 0)
+    key_mask = torch.ones(2, 16)
+    key_mask[1, 11:] = 0
+    out = block_sparse_attention(q, k, v, lt, key_mask)
+    torch.testing.assert_close(out, dense_reference_attention(q, k, v, lt, key_mask), atol=1e-5, rtol=1e-5)
+    # ignoring multiplicity (a 0/1 mask) gives a different answer: the test can fail
+    single = lt._replace(valid=lt.valid & (torch.arange(lt.valid.shape[-1]) < 5))
+    assert (block_sparse_attention(q, k, v, single, key_mask) - out).abs().max() > 1e-3
+    assert MASK_PENALTY == -10000.0
+
+
+def _hf_block_sparse(S, block_size, r, train, layer, max_position_embeddings=4096, H=2, D=8, B=2):
+    from transformers import BigBirdConfig
+    from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
+
+    config = BigBirdConfig(
+        hidden_size=H * D, num_attention_heads=H, block_size=block_size, num_random_blocks=r,
+        max_position_embeddings=max_position_embeddings, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(layer)
+    attn = BigBirdBlockSparseAttention(config, seed=layer).train(train)
+    x = torch.randn(B, S, H * D)
+    mask = torch.ones(B, S)
+    mask[1, S - block_size - 7 :] = 0  # a padded batch element (last block fully padded)
+    blocked, band, from_mask, to_mask = BigBirdModel.create_masks_for_block_sparse_attn(mask, block_size)
+    state = np.random.get_state()
+    with torch.no_grad():
+        ref, _ = attn(x, band, from_mask, to_mask, blocked, blocked)
+        q, k, v = (lin(x).view(B, S, H, D).transpose(1, 2) for lin in (attn.query, attn.key, attn.value))  # (B, H, S, D)
+    np.random.set_state(state)  # transformers reseeds the global RNG in train mode; undo
+    return ref, q, k, v, mask
+
+
+@pytest.mark.parametrize(
+    "S,block_size,r",
+    [(1024, 16, 3), (1024, 32, 2), (1024, 64, 1), (1024, 64, 3), (3072, 64, 2), (256, 16, 1), (512, 32, 3), (704, 64, 2), (448, 32, 3), (1216, 64, 3)],
+)
+@pytest.mark.parametrize("plan", ["hf-train", "hf-eval"])
+def test_matches_transformers_block_sparse(S, block_size, r, plan):
+    layer = 3
+    H = 2
+    ref, q, k, v, mask = _hf_block_sparse(S, block_size, r, plan == "hf-train", layer, H=H)
+    spec = AttentionSpec("bigbird", block_size, num_random_blocks=r, plan=plan, max_position_embeddings=4096)
+    lt = layout_tensors(build_layout(spec, S // block_size, H, layer))
+    out = block_sparse_attention(q, k, v, lt, mask).transpose(1, 2).reshape(ref.shape)  # (B, S, H*D)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    dense = dense_reference_attention(q, k, v, lt, mask).transpose(1, 2).reshape(ref.shape)
+    torch.testing.assert_close(dense, ref, atol=1e-5, rtol=0)
+    if plan == "hf-train":  # the other plan's blocks give a different answer: the test can fail
+        other = layout_tensors(build_layout(AttentionSpec("bigbird", block_size, num_random_blocks=r, plan="hf-train"), S // block_size, H, layer + 1))
+        wrong = block_sparse_attention(q, k, v, other, mask).transpose(1, 2).reshape(ref.shape)
+        assert (wrong - ref).abs().max() > 1e-3
+
+
+def test_matches_transformers_legacy_plan_with_short_max_positions():
+    ref, q, k, v, mask = _hf_block_sparse(1024, 32, 3, True, 1, max_position_embeddings=1024)
+    spec = AttentionSpec("bigbird", 32, num_random_blocks=3, plan="hf-train", max_position_embeddings=1024)
+    lt = layout_tensors(build_layout(spec, 32, 2, 1))
+    out = block_sparse_attention(q, k, v, lt, mask).transpose(1, 2).reshape(ref.shape)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_pegasus_copy_matches_too():
+    from transformers import BigBirdPegasusConfig
+    from transformers.models.big_bird.modeling_big_bird import BigBirdModel
+    from transformers.models.bigbird_pegasus.modeling_bigbird_pegasus import BigBirdPegasusBlockSparseAttention
+
+    H, D, B, S, bs, r, layer = 2, 8, 2, 640, 32, 3, 2
+    config = BigBirdPegasusConfig(d_model=H * D, encoder_attention_heads=H, block_size=bs, num_random_blocks=r, max_position_embeddings=4096)
+    attn = BigBirdPegasusBlockSparseAttention(config, seed=layer).train(True)
+    x = torch.randn(B, S, H * D)
+    mask = torch.ones(B, S)
+    mask[0, -50:] = 0
+    blocked, band, from_mask, to_mask = BigBirdModel.create_masks_for_block_sparse_attn(mask, bs)
+    state = np.random.get_state()
+    with torch.no_grad():
+        ref, _ = attn(x, band, from_mask, to_mask, blocked, blocked)
+        q, k, v = (lin(x).view(B, S, H, D).transpose(1, 2) for lin in (attn.query, attn.key, attn.value))
+    np.random.set_state(state)
+    lt = layout_tensors(build_layout(AttentionSpec("bigbird", bs, num_random_blocks=r, plan="hf-train"), S // bs, H, layer))
+    out = block_sparse_attention(q, k, v, lt, mask).transpose(1, 2).reshape(ref.shape)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

@@ -1,0 +1,228 @@
+"""`longdoc export`: a Hugging Face-format checkpoint directory -> a model directory
+(docs/DESIGN.md): encoder.onnx [+ decoder.onnx], tokenizer.json, manifest.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from export.graph import OPSET, save_model
+from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
+                             build_pegasus_decoder, build_pegasus_encoder)
+from export.manifest import TASKS, Manifest
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
+PLANS = ("hf-train", "hf-eval", "seeded")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory we cannot export (missing files, unsupported architecture)."""
+
+
+def read_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(MODEL_TYPES)})")
+    return config
+
+
+def weights_path(directory: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    raise CheckpointError(f"{directory}: no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
+    path = weights_path(Path(directory))
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:  # pt: bf16 checkpoints load too
+            return {k: f.get_tensor(k).float().numpy() for k in f.keys()}
+    import torch  # a .bin: a plain state dict only, never arbitrary pickled code
+
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a plain PyTorch state dict ({exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a state dict")
+    return {k: v.float().numpy() for k, v in state.items()}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def task_of(config: dict, task: str) -> str:
+    """Check the requested task against the checkpoint's architecture; fail fast."""
+    if task not in TASKS:
+        raise CheckpointError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if config["model_type"] == "bigbird_pegasus":
+        if task != "summarize":
+            raise CheckpointError(f"a bigbird_pegasus checkpoint exports as --task summarize, not {task!r}")
+        if arch not in (None, *SEQ2SEQ_ARCHITECTURES):
+            raise CheckpointError(f"architecture {arch!r} is not supported for summarize "
+                                  f"(supported: {', '.join(SEQ2SEQ_ARCHITECTURES)})")
+        return task
+    if task == "summarize":
+        raise CheckpointError("--task summarize needs a bigbird_pegasus checkpoint")
+    if arch is not None and arch not in ENCODER_ARCHITECTURES:
+        raise CheckpointError(f"architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(ENCODER_ARCHITECTURES)})")
+    if arch is not None and ENCODER_ARCHITECTURES[arch] not in (None, task):
+        raise CheckpointError(f"checkpoint architecture {arch} is a {ENCODER_ARCHITECTURES[arch]!r} model, "
+                              f"not {task!r}")
+    return task
+
+
+def attention_dict(config: dict, plan: str, sparse: bool) -> dict:
+    fields = {"pattern": "bigbird" if sparse else "dense", "block_size": int(config["block_size"]),
+              "num_random_blocks": int(config.get("num_random_blocks", 3)), "plan": plan}
+    try:
+        from model.layout import AttentionSpec
+    except ImportError:  # model/layout.py not there yet: the same fields by hand
+        return {"num_global_blocks": 1, "window_blocks": 3, "seed": 0, **fields}
+    return asdict(AttentionSpec(**fields))
+
+
+def _versions() -> dict:
+    import onnx
+
+    versions = {"onnx": onnx.__version__, "opset": OPSET}
+    for name in ("longdoc", "torch", "onnxruntime"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:
+            versions[name] = None
+    return versions
+
+
+def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
+                 plan: str = "hf-train", progress: Callable[[str], None] = print) -> Manifest:
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if dtype not in ("fp32", "fp16", "int8"):
+        raise CheckpointError(f"dtype {dtype!r} is not one of fp32, fp16, int8")
+    if plan not in PLANS:
+        raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
+    config = read_config(checkpoint_dir)
+    task = task_of(config, task)
+    wpath = weights_path(checkpoint_dir)
+    tokenizer = checkpoint_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
+    progress(f"reading {wpath}")
+    weights = Weights(read_weights(checkpoint_dir))
+    sparse = config.get("attention_type", "block_sparse") == "block_sparse"
+    graph_dtype = "fp16" if dtype == "fp16" else "fp32"
+    bs = int(config["block_size"])
+    r = int(config.get("num_random_blocks", 3))
+
+    graphs = {}
+    if task == "summarize":
+        progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
+        graphs["encoder"] = build_pegasus_encoder(weights, config, graph_dtype, sparse)
+        progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
+        graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
+        E, H, L = config["d_model"], config["encoder_attention_heads"], config["encoder_layers"]
+        decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
+                   "head_dim": config["d_model"] // config["decoder_attention_heads"],
+                   "max_positions": config["max_position_embeddings"]}
+    else:
+        progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
+        graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
+                                                  sep_token_id=config.get("sep_token_id"))
+        E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+        decoder = None
+    unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
+                                                           "bert.embeddings.position_ids"})
+    if unused:
+        progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name, model in graphs.items():
+        path = output_dir / f"{name}.onnx"
+        if dtype == "int8":
+            progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights)")
+            quantize_int8(model, path)
+        else:
+            save_model(model, path)
+        progress(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    shutil.copyfile(tokenizer, output_dir / "tokenizer.json")
+
+    labels = None
+    if task == "classify":
+        id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+        labels = [id2label[str(i)] for i in range(len(id2label))]
+    max_length = (int(config["max_position_embeddings"]) // bs) * bs
+    special = {"pad": config.get("pad_token_id"), "cls": config.get("cls_token_id"),
+               "sep": config.get("sep_token_id"), "mask": _mask_token(tokenizer),
+               "bos": config.get("bos_token_id"), "eos": config.get("eos_token_id"),
+               "decoder_start": config.get("decoder_start_token_id")}
+    manifest = Manifest(
+        task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
+        graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan, sparse),
+        num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
+        full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
+        special_tokens=special, decoder=decoder,
+        source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
+        versions=_versions())
+    manifest.save(output_dir)
+    progress(f"wrote {output_dir / 'manifest.json'}")
+    return manifest
+
+
+def _default_arch(task: str) -> str:
+    return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
+            "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
+
+
+def _mask_token(tokenizer: Path) -> int | None:
+    try:
+        vocab = json.loads(tokenizer.read_text()).get("added_tokens", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    for token in vocab:
+        if token.get("content") in ("[MASK]", "<mask>", "<mask_1>"):
+            return int(token["id"])
+    return None
+
+
+def quantize_int8(model, path: Path) -> None:
+    """Dynamic int8 quantization of the MatMuls with constant weights (the dense layers);
+    attention MatMuls multiply two activations and stay fp32."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        save_model(model, fp32)
+        quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                         use_external_data_format=model.ByteSize() > 1_800_000_000)

@@ -1,0 +1,195 @@
+"""Run an exported model directory with ONNX Runtime. No torch, no transformers: this is the
+service worker's only engine (docs/DESIGN.md, "export/runtime.py").
+
+The host side of the block-sparse graph lives here: for each padded length it builds the layout
+table with `model.layout.build_layout` (NumPy), stacks it over layers and caches it, then feeds
+it as graph inputs next to the token ids.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from export.manifest import Manifest
+from export.sparse_attention import LAYOUT_INPUTS, dense_layout_feed, layout_feed
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+@dataclass
+class EncoderState:
+    """What the decoder needs from one encoder pass (per batch row)."""
+
+    cross: list[np.ndarray]  # per decoder layer: cross_key_l, cross_value_l, each (B, H, Se, D)
+    encoder_mask: np.ndarray  # (B, Se) int64
+
+    def select(self, rows: np.ndarray) -> EncoderState:
+        """The state for the given batch rows (beam search repeats rows)."""
+        return EncoderState([c[rows] for c in self.cross], self.encoder_mask[rows])
+
+
+class OnnxModel:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", threads: int | None = None,
+                 layout_cache_size: int = 64):
+        import onnxruntime as ort
+        import tokenizers
+
+        self.model_dir = Path(model_dir)
+        self.manifest = Manifest.load(self.model_dir)
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        if device not in PROVIDERS:
+            raise ValueError(f"device must be one of {', '.join(PROVIDERS)}, got {device!r}")
+        if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise RuntimeError("device='cuda' needs onnxruntime-gpu (CUDAExecutionProvider is not available)")
+        options = ort.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = int(threads)
+            options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name, filename in self.manifest.graphs.items():
+            path = self.model_dir / filename
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: graph {name!r} named in the manifest is missing")
+            self.sessions[name] = ort.InferenceSession(str(path), options, providers=PROVIDERS[device])
+        self.encoder_inputs = {i.name for i in self.sessions["encoder"].get_inputs()}
+        self.sparse = LAYOUT_INPUTS[0] in self.encoder_inputs
+        self.float_type = np.float16 if self.manifest.dtype == "fp16" else np.float32
+        self._layouts: OrderedDict[tuple[int, str], dict[str, np.ndarray]] = OrderedDict()
+        self._layout_cache_size = layout_cache_size
+        from model.layout import AttentionSpec  # NumPy only
+
+        self.attention_spec = AttentionSpec.from_dict(self.manifest.attention) if self.sparse else None
+
+    # --- lengths and layouts ---------------------------------------------------------
+    def padded_length(self, seq_len: int) -> tuple[int, str]:
+        """(padded length, "block_sparse" | "full") for a batch tensor of seq_len tokens."""
+        m = self.manifest
+        if not 1 <= seq_len <= m.max_length:
+            raise ValueError(f"sequence length {seq_len} is outside [1, {m.max_length}]")
+        padded = -(-seq_len // m.block_size) * m.block_size
+        if not self.sparse or seq_len <= m.full_attention_max_length:
+            return padded, "full"
+        return padded, "block_sparse"
+
+    def layout_inputs(self, padded_len: int, attention: str) -> dict[str, np.ndarray]:
+        """The layout graph inputs for one padded length (built once, then cached)."""
+        key = (padded_len, attention)
+        feed = self._layouts.get(key)
+        if feed is None:
+            from model.layout import build_layout
+
+            m, nb = self.manifest, padded_len // self.manifest.block_size
+            if attention == "full":
+                feed = dense_layout_feed(m.num_layers, m.num_heads, nb)
+            else:
+                feed = layout_feed([build_layout(self.attention_spec, nb, m.num_heads, layer)
+                                    for layer in range(m.num_layers)], nb)
+            self._layouts[key] = feed
+            if len(self._layouts) > self._layout_cache_size:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return feed
+
+    def _encoder_feed(self, input_ids, attention_mask, token_type_ids=None):
+        input_ids = _as_2d_int64(input_ids, "input_ids")
+        B, S = input_ids.shape
+        attention_mask = np.ones_like(input_ids) if attention_mask is None else _as_2d_int64(attention_mask,
+                                                                                              "attention_mask")
+        if attention_mask.shape != (B, S):
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}, input_ids {input_ids.shape}")
+        padded, attention = self.padded_length(S)
+        pad = padded - S
+        if "token_type_ids" in self.encoder_inputs:
+            if token_type_ids is None:
+                token_type_ids = self._default_token_types(input_ids)
+            token_type_ids = _as_2d_int64(token_type_ids, "token_type_ids")
+            if token_type_ids.shape != (B, S):
+                raise ValueError(f"token_type_ids has shape {token_type_ids.shape}, input_ids {input_ids.shape}")
+        pad_id = self.manifest.special_tokens.get("pad") or 0
+        feed = {"input_ids": np.pad(input_ids, ((0, 0), (0, pad)), constant_values=pad_id),
+                "attention_mask": np.pad(attention_mask, ((0, 0), (0, pad)))}
+        if "token_type_ids" in self.encoder_inputs:
+            feed["token_type_ids"] = np.pad(token_type_ids, ((0, 0), (0, pad)))
+        if self.sparse:
+            feed.update(self.layout_inputs(padded, attention))
+        return feed, S
+
+    def _default_token_types(self, input_ids: np.ndarray) -> np.ndarray:
+        """transformers' defaults: zeros, except QA, where tokens after the first [SEP] are 1."""
+        if self.manifest.task != "qa":
+            return np.zeros_like(input_ids)
+        sep = self.manifest.special_tokens.get("sep")
+        q_len = np.argmax(input_ids == sep, axis=1)[:, None] + 1  # (B, 1)
+        return (np.arange(input_ids.shape[1])[None] >= q_len).astype(np.int64)
+
+    # --- encoder -----------------------------------------------------------------------
+    def run_encoder(self, input_ids, attention_mask=None, token_type_ids=None) -> dict[str, np.ndarray]:
+        """(B, S) int64 inputs, S in [1, max_length] -> the task's outputs, padding stripped."""
+        feed, S = self._encoder_feed(input_ids, attention_mask, token_type_ids)
+        session = self.sessions["encoder"]
+        names = [n for n in self.manifest.outputs if n in {o.name for o in session.get_outputs()}]
+        outs = session.run(names, feed)
+        result = {}
+        for name, value in zip(names, outs):
+            result[name] = value if name == "logits" and self.manifest.task == "classify" else value[:, :S]
+        return result
+
+    # --- summarize -----------------------------------------------------------------------
+    def encode_for_decoding(self, input_ids, attention_mask=None) -> EncoderState:
+        feed, S = self._encoder_feed(input_ids, attention_mask)
+        L = self.manifest.decoder["num_layers"]
+        names = [f"cross_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
+        cross = self.sessions["encoder"].run(names, feed)
+        return EncoderState(cross, feed["attention_mask"])
+
+    def empty_past(self, batch: int) -> list[np.ndarray]:
+        d = self.manifest.decoder
+        shape = (batch, d["num_heads"], 0, d["head_dim"])
+        return [np.zeros(shape, self.float_type) for _ in range(2 * d["num_layers"])]
+
+    def decoder_step(self, state: EncoderState, input_ids, position_ids, self_mask, past):
+        """One step for T new tokens per row. past: [key_0, value_0, key_1, ...] (B, H, P, D);
+        self_mask (B, P+T) 1 = attend. Returns (logits (B, T, V) fp32, present)."""
+        L = self.manifest.decoder["num_layers"]
+        feed = {"input_ids": _as_2d_int64(input_ids, "input_ids"),
+                "position_ids": _as_2d_int64(position_ids, "position_ids"),
+                "self_mask": _as_2d_int64(self_mask, "self_mask"), "encoder_mask": state.encoder_mask}
+        for i in range(L):
+            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
+            feed[f"cross_key_{i}"], feed[f"cross_value_{i}"] = state.cross[2 * i], state.cross[2 * i + 1]
+        names = ["logits"] + [f"present_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
+        outs = self.sessions["decoder"].run(names, feed)
+        return outs[0], outs[1:]
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 64, num_beams: int = 1,
+                 length_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
+                 early_stopping: bool = False) -> list[list[int]]:
+        from export.generation import generate
+
+        if self.manifest.task != "summarize":
+            raise ValueError(f"generate needs a summarize model, this one is {self.manifest.task!r}")
+        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
+                        length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                        early_stopping=early_stopping)
+
+
+def _as_2d_int64(x, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim == 1:
+        a = a[None]
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be (batch, sequence), got shape {a.shape}")
+    if a.dtype.kind not in "iub":
+        raise ValueError(f"{name} must hold integers, got {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def default_threads() -> int:
+    return int(os.environ.get("LONGDOC_THREADS", "0")) or None

@@ -1,0 +1,160 @@
+"""Block-sparse attention lowered to plain ONNX (opset 17): Gather, MatMul, Softmax, Reshape.
+
+The layout is data fed at run time, not constants (docs/export.md says why):
+
+    layout_key_blocks (L, H, nb, K) int64   key block per (layer, head, query block, slot)
+    layout_valid      (L, H, nb, K) bool    False = padding slot
+    global_blocks     (G,) int64            query blocks that attend to every key (G >= 1)
+    block_source      (nb,) int64           i for a sparse row, nb + g for global block g
+
+For a padded length S = nb * block_size (paper App. D, Fig. 6):
+
+    sparse rows:  gather the K key/value blocks of each (head, query block), one batched MatMul,
+                  masked softmax over K * block_size keys, MatMul with the gathered values.
+                  A key block listed twice counts twice (transformers' hf-eval plan relies on it).
+    global rows:  gather the G global query blocks and attend densely to all S keys.
+    combine:      concatenate [sparse (nb blocks), global (G blocks)] and gather with
+                  block_source, so no Scatter is needed.
+
+Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
+table: K = nb, every row lists every key block, which is exact full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from export.graph import NEG_INF, GraphBuilder
+
+LAYOUT_INPUTS = ("layout_key_blocks", "layout_valid", "global_blocks", "block_source")
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """Tensors shared by every layer of one graph."""
+
+    block_size: int
+    num_heads: int
+    head_dim: int
+    key_bias: str  # (B, 1, 1, S) additive key-padding bias
+    key_mask_blocks: str | None  # (B, nb, bs) 1.0 = real token (sparse graphs)
+    head_offset: str | None  # (H, 1, 1) int64: h * nb, turns per-head block ids into flat ids
+    sparse: bool
+
+
+def declare_layout_inputs(g: GraphBuilder) -> None:
+    g.input("layout_key_blocks", TensorProto.INT64, ["layers", "heads", "blocks", "slots"])
+    g.input("layout_valid", TensorProto.BOOL, ["layers", "heads", "blocks", "slots"])
+    g.input("global_blocks", TensorProto.INT64, ["global"])
+    g.input("block_source", TensorProto.INT64, ["blocks"])
+
+
+def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
+                      head_dim: int, sparse: bool) -> AttentionContext:
+    m = g.to_float(attention_mask)  # (B, S) 1.0 = real token
+    bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), m]), g.fconst(NEG_INF)])
+    key_bias = g.op("Unsqueeze", [bias, g.const([1, 2])])  # (B, 1, 1, S)
+    if not sparse:
+        return AttentionContext(block_size, num_heads, head_dim, key_bias, None, None, False)
+    key_mask_blocks = g.op("Reshape", [m, g.const([0, -1, block_size])])  # (B, nb, bs)
+    nb = g.op("Gather", [g.op("Shape", [key_mask_blocks]), g.const(1)], axis=0)  # scalar
+    head_offset = g.op("Mul", [g.const(np.arange(num_heads).reshape(num_heads, 1, 1)), nb])  # (H,1,1)
+    return AttentionContext(block_size, num_heads, head_dim, key_bias, key_mask_blocks, head_offset, True)
+
+
+def split_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
+    """(B, S, H*D) -> (B, H, S, D)"""
+    x = g.op("Reshape", [x, g.const([0, 0, ctx.num_heads, ctx.head_dim])])  # (B, S, H, D)
+    return g.op("Transpose", [x], perm=[0, 2, 1, 3])
+
+
+def merge_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
+    """(B, H, S, D) -> (B, S, H*D)"""
+    x = g.op("Transpose", [x], perm=[0, 2, 1, 3])
+    return g.op("Reshape", [x, g.const([0, 0, ctx.num_heads * ctx.head_dim])])
+
+
+def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float) -> str:
+    """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
+    to (B,H,T,S)."""
+    q = g.op("Mul", [q, g.fconst(scale)])
+    scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, H, T, S)
+    probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
+    return g.op("MatMul", [probs, v])  # (B, H, T, D)
+
+
+def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
+                           ctx: AttentionContext) -> str:
+    """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here."""
+    bs, D = ctx.block_size, ctx.head_dim
+    scale = 1.0 / float(np.sqrt(D))
+    q, k, v = (split_heads(g, t, ctx) for t in (q, k, v))  # (B, H, S, D)
+    if not ctx.sparse:
+        return merge_heads(g, dense_attention(g, q, k, v, ctx.key_bias, scale), ctx)
+
+    q = g.op("Mul", [q, g.fconst(scale)])
+    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, H, nb, bs, D)
+    k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, H*nb, bs, D)
+    v_flat = g.op("Reshape", [v, g.const([0, -1, bs, D])])  # (B, H*nb, bs, D)
+
+    # this layer's table
+    key_blocks = g.op("Gather", ["layout_key_blocks", g.const(layer)], axis=0)  # (H, nb, K)
+    valid = g.op("Gather", ["layout_valid", g.const(layer)], axis=0)  # (H, nb, K)
+    flat_blocks = g.op("Add", [key_blocks, ctx.head_offset])  # (H, nb, K) ids into H*nb
+
+    # sparse rows: gathered keys/values, one batched MatMul per side
+    kg = g.op("Gather", [k_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
+    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
+    kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
+    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
+    scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, H, nb, bs, K*bs)
+
+    key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, H, nb, K, bs)
+    slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (H, nb, K, 1)
+    allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,H,nb,1,K*bs)
+    bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
+    probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
+    sparse_out = g.op("MatMul", [probs, vg])  # (B, H, nb, bs, D)
+
+    # global rows: their query blocks attend to every key
+    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, H, G, bs, D)
+    qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, H, G*bs, D)
+    g_scores = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, H, G*bs, S)
+    g_probs = g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1)
+    global_out = g.op("Reshape", [g.op("MatMul", [g_probs, v]), g.const([0, 0, -1, bs, D])])  # (B,H,G,bs,D)
+
+    both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, H, nb+G, bs, D)
+    out = g.op("Gather", [both, "block_source"], axis=2)  # (B, H, nb, bs, D)
+    out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
+    return g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
+
+
+# --- host side (NumPy): the layout inputs for one padded length ---------------------------
+
+def layout_feed(layouts, n_blocks: int) -> dict[str, np.ndarray]:
+    """Stack per-layer `model.layout.Layout`s into the graph's layout inputs."""
+    global_rows = layouts[0].global_rows
+    for layout in layouts[1:]:
+        if not np.array_equal(layout.global_rows, global_rows):
+            raise ValueError("global rows differ between layers; the graph takes one global set")
+    key_blocks = np.stack([np.asarray(lay.key_blocks, dtype=np.int64) for lay in layouts])
+    valid = np.stack([np.asarray(lay.valid, dtype=bool) for lay in layouts])
+    return _feed(key_blocks, valid, np.flatnonzero(global_rows), n_blocks)
+
+
+def dense_layout_feed(num_layers: int, num_heads: int, n_blocks: int) -> dict[str, np.ndarray]:
+    """Full attention through the sparse graph: every row lists every key block once."""
+    key_blocks = np.broadcast_to(np.arange(n_blocks, dtype=np.int64), (num_layers, num_heads, n_blocks, n_blocks))
+    return _feed(np.ascontiguousarray(key_blocks), np.ones(key_blocks.shape, bool), np.zeros(0, np.int64), n_blocks)
+
+
+def _feed(key_blocks, valid, global_blocks, n_blocks) -> dict[str, np.ndarray]:
+    block_source = np.arange(n_blocks, dtype=np.int64)
+    block_source[global_blocks] = n_blocks + np.arange(len(global_blocks))
+    if len(global_blocks) == 0:  # keep G >= 1 (no empty tensors): compute block 0 densely, unused
+        global_blocks = np.zeros(1, np.int64)
+    return {"layout_key_blocks": key_blocks, "layout_valid": valid,
+            "global_blocks": global_blocks.astype(np.int64), "block_source": block_source}

@@ -1,0 +1,130 @@
+"""Tiny BigBird checkpoints and exported model directories for tests (seconds to build).
+
+    make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
+                                            model.safetensors, tokenizer.json
+    make_tiny_export(directory, task, dtype="fp32")   `longdoc export` of it (a model dir)
+
+Shapes: hidden 32, 2 heads, 2 layers, block_size 16, 2 random blocks, max_position 512 (several
+windows; full attention up to (5 + 2*2) * 16 = 144 tokens, block-sparse above). The tokenizer is
+a WordLevel vocabulary over TINY_WORDS plus specials, so real English text tokenizes with offsets
+(words outside the list become [UNK]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TASKS = ("qa", "classify", "mlm", "summarize")
+SPECIALS = ["[PAD]", "</s>", "<s>", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PAD, EOS, BOS, UNK, CLS, SEP, MASK = range(len(SPECIALS))
+CLASSIFY_LABELS = ["negative", "neutral", "positive"]
+
+TINY_WORDS = """
+the of and to a in is it you that he was for on are with as i his they be at one have this from
+or had by hot word but what some we can out other were all there when up use your how said an
+each she which do their time if will way about many then them write would like so these her long
+make thing see him two has look more day could go come did number sound no most people my over
+know water than call first who may down side been now find any new work part take get place made
+live where after back little only round man year came show every good me give our under name very
+through just form sentence great think say help low line differ turn cause much mean before move
+right boy old too same tell does set three want air well also play small end put home read hand
+port large spell add even land here must big high such follow act why ask men change went light
+kind off need house picture try us again animal point mother world near build self earth father
+head stand own page should country found answer school grow study still learn plant cover food
+sun four between state keep eye never last let thought city tree cross farm hard start might story
+saw far sea draw left late run while press close night real life few north open seem together next
+white children begin got walk example ease paper group always music those both mark often letter
+until mile river car feet care second book carry took science eat room friend began idea fish
+mountain stop once base hear horse cut sure watch color face wood main enough plain girl usual
+young ready above ever red list though feel talk bird soon body dog family direct pose leave song
+measure door product black short numeral class wind question happen complete ship area half rock
+order fire south problem piece told knew pass since top whole king space heard best hour better
+true during hundred five remember step early hold west ground interest reach fast verb sing listen
+six table travel less morning ten simple several vowel toward war lay against pattern slow center
+love person money serve appear road map rain rule govern pull cold notice voice unit power town
+fine certain fly fall lead cry dark machine note wait plan figure star box noun field rest correct
+able pound done beauty drive stood contain front teach week final gave green oh quick develop
+ocean warm free minute strong special mind behind clear tail produce fact street inch multiply
+nothing course stay wheel full force blue object decide surface deep moon island foot system busy
+test record boat common gold possible plane stead dry wonder laugh thousand ago ran check game
+shape equate miss brought heat snow tire bring yes distant fill east paint language among . , ? !
+""".split()
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for word in TINY_WORDS:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)])
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def vocab_size() -> int:
+    return len(tiny_tokenizer().get_vocab())
+
+
+def tiny_config(task: str) -> dict:
+    """transformers config kwargs of the tiny model for a task."""
+    common = dict(vocab_size=vocab_size(), max_position_embeddings=512, block_size=16, num_random_blocks=2,
+                  attention_type="block_sparse", pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    if task == "summarize":
+        return dict(common, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                    decoder_start_token_id=BOS, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0)
+    extra = {}
+    if task == "classify":
+        extra = dict(num_labels=3, id2label=dict(enumerate(CLASSIFY_LABELS)),
+                     label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
+    return dict(common, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                sep_token_id=SEP, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+
+
+def make_tiny_checkpoint(directory, task: str, seed: int = 0, **overrides) -> Path:
+    """A random-init checkpoint for `task` saved in the Hugging Face format (transformers builds
+    and saves it; model/ reads the same files). `overrides` change config fields."""
+    import torch
+    import transformers
+
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(tiny_config(task), **overrides)
+    cls, config_cls = {
+        "qa": (transformers.BigBirdForQuestionAnswering, transformers.BigBirdConfig),
+        "classify": (transformers.BigBirdForSequenceClassification, transformers.BigBirdConfig),
+        "mlm": (transformers.BigBirdForMaskedLM, transformers.BigBirdConfig),
+        "summarize": (transformers.BigBirdPegasusForConditionalGeneration, transformers.BigBirdPegasusConfig),
+    }[task]
+    torch.manual_seed(seed)
+    model = cls(config_cls(**kwargs)).eval()
+    if task == "summarize":  # random-init final_logits_bias is zero; make it count
+        with torch.no_grad():
+            model.final_logits_bias.normal_(0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def make_tiny_export(directory, task: str, dtype: str = "fp32", checkpoint_dir=None, plan: str = "hf-train") -> Path:
+    """`longdoc export` of a tiny checkpoint (made next to it unless given)."""
+    from export.exporter import export_model
+
+    directory = Path(directory)
+    if checkpoint_dir is None:
+        checkpoint_dir = make_tiny_checkpoint(directory.parent / f"{directory.name}-checkpoint", task)
+    export_model(checkpoint_dir, directory, task, dtype=dtype, plan=plan, progress=lambda _msg: None)
+    return directory
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,364 @@
+"""The project's PromQL in one place: dashboard panels, alert rules and the autoscaling metric are
+data here, and every file that holds PromQL is generated from it:
+
+    deploy/base/grafana-dashboard.json       Grafana dashboard (also provisioned by docker/compose.yaml)
+    deploy/base/prometheusrule.yaml          PrometheusRule (Prometheus Operator)
+    docker/prometheus/rules.yml              the same rule groups as a plain rule file (compose, promtool)
+    deploy/prometheus-adapter/values.yaml    prometheus-adapter rule serving the HPA's custom metric
+
+    python3 deploy/monitoring/generate.py            # rewrite the files
+    python3 deploy/monitoring/generate.py --check    # exit 1 if a file is not what this would write
+
+tests/deploy/ checks that the files are current and that every expression returns data from a real
+Prometheus scraping the service (metric names: service/metrics.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = 'job="longdoc"'
+RATE = "$__rate_interval"  # Grafana picks it from the scrape interval; rules use fixed windows
+
+# Latency objectives (p99, seconds) per endpoint, for the alert. Summarization decodes token by
+# token, so its objective is looser. Values are for the CPU default; set them for your hardware.
+P99_SLO_SECONDS = {"qa": 10.0, "classify": 10.0, "summarize": 60.0}
+ERROR_RATIO_MAX = 0.05
+QUEUE_SATURATION = 0.8  # share of LONGDOC_MAX_QUEUE_TOKENS over which the queue counts as saturated
+# Server-side failures; validation / too_large / cancelled are the client's doing.
+SERVER_FAILURES = "overloaded|timeout|unavailable|internal"
+# HPA target: mean queue wait per request, per pod.
+HPA_METRIC = "longdoc_queue_wait_seconds"
+
+
+def max_queue_tokens() -> int:
+    """LONGDOC_MAX_QUEUE_TOKENS from the base ConfigMap, so the saturation alert follows it."""
+    for line in (ROOT / "deploy/base/longdoc.env").read_text().splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == "LONGDOC_MAX_QUEUE_TOKENS":
+            return int(value)
+    raise ValueError("LONGDOC_MAX_QUEUE_TOKENS missing from deploy/base/longdoc.env")
+
+
+def quantile(q: float, metric: str, by: str, window: str = RATE, where: str = JOB) -> str:
+    return f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{{{where}}}[{window}])))"
+
+
+def mean(metric: str, by: str, window: str = RATE, where: str = JOB) -> str:
+    """Mean of a histogram's observations over the window (0 while nothing was observed)."""
+    return (
+        f"sum by ({by}) (rate({metric}_sum{{{where}}}[{window}]))"
+        f" / clamp_min(sum by ({by}) (rate({metric}_count{{{where}}}[{window}])), 1e-9)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Dashboard
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    unit: str  # Grafana unit id
+    targets: tuple[tuple[str, str], ...]  # (legend format, PromQL)
+    description: str = ""
+    stack: bool = False
+
+
+REQ = "longdoc_request_duration_seconds"
+
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
+    ("Latency", (
+        Panel("Request latency per endpoint (p50 / p95 / p99)", "s", tuple(
+            (f"{{{{endpoint}}}} p{int(q * 100)}", quantile(q, REQ, "endpoint")) for q in (0.5, 0.95, 0.99)
+        ), "Whole request, received to answered."),
+        Panel("p99 latency per document length", "s", (
+            ("{{length_bucket}} tokens", quantile(0.99, REQ, "length_bucket")),
+        ), "Length bucket: tokens of the request's longest document (block size doubling up to the model maximum)."),
+        Panel("p50 latency per document length", "s", (
+            ("{{length_bucket}} tokens", quantile(0.5, REQ, "length_bucket")),
+        )),
+        Panel("Where the time goes (mean per request)", "s", (
+            ("tokenize", mean("longdoc_tokenize_duration_seconds", "job")),
+            ("queue", mean("longdoc_queue_duration_seconds", "job")),
+            ("inference", mean("longdoc_inference_duration_seconds", "job")),
+        ), "Queue vs inference: queue time growing while inference time stays flat means too few replicas.",
+            stack=True),
+        Panel("Queue vs inference p95", "s", (
+            ("queue p95", quantile(0.95, "longdoc_queue_duration_seconds", "job")),
+            ("inference p95", quantile(0.95, "longdoc_inference_duration_seconds", "job")),
+        )),
+    )),
+    ("Batching", (
+        Panel("Batch size (sequences per batch)", "short", (
+            ("{{model}} mean", mean("longdoc_batch_size", "model")),
+            ("{{model}} p95", quantile(0.95, "longdoc_batch_size", "model")),
+        )),
+        Panel("Batch tokens (padded)", "short", (
+            ("{{model}} mean", mean("longdoc_batch_tokens", "model")),
+            ("{{model}} p95", quantile(0.95, "longdoc_batch_tokens", "model")),
+        ), "Padded cost of a batch: longest sequence x sequences."),
+        Panel("Padding waste", "percentunit", (
+            ("{{model}} mean", mean("longdoc_padding_waste_ratio", "model")),
+        ), "Share of the padded tokens that are padding; length buckets keep it low."),
+        Panel("Windows per request", "short", (
+            ("{{endpoint}} mean", mean("longdoc_windows_per_request", "endpoint")),
+        ), "Documents longer than the model are split into overlapping windows."),
+    )),
+    ("Throughput and errors", (
+        Panel("Throughput (requests/s)", "reqps", (
+            ("{{endpoint}}", f"sum by (endpoint) (rate({REQ}_count{{{JOB}}}[{RATE}]))"),
+        ), "Requests answered per second (a request may carry several documents)."),
+        Panel("Throughput (tokens/s)", "short", (
+            ("{{model}} padded tokens/s", f"sum by (model) (rate(longdoc_batch_tokens_sum{{{JOB}}}[{RATE}]))"),
+            ("{{model}} windows/s", f"sum by (model) (rate(longdoc_windows_per_request_sum{{{JOB}}}[{RATE}]))"),
+        ), "Tokens run through the encoder (padded), and windows per second."),
+        Panel("Errors by reason", "reqps", (
+            ("{{reason}}", f"sum by (reason) (rate(longdoc_request_failures_total{{{JOB}}}[{RATE}]))"),
+        ), "validation 422, too_large 413, overloaded 429, timeout 504, unavailable 503, cancelled (client gone), internal 500.",
+            stack=True),
+        Panel("Server error ratio", "percentunit", (
+            ("{{endpoint}}",
+             f"sum by (endpoint) (rate(longdoc_request_failures_total{{{JOB},reason=~\"{SERVER_FAILURES}\"}}[{RATE}]))"
+             f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{JOB}}}[{RATE}])), 1e-9)"),
+        )),
+    )),
+    ("Saturation", (
+        Panel("In-flight requests", "short", (
+            ("{{endpoint}}", f"sum by (endpoint) (longdoc_in_flight_requests{{{JOB}}})"),
+        )),
+        Panel("Queue depth", "short", (
+            ("{{model}} sequences", f"sum by (model) (longdoc_queue_depth_requests{{{JOB}}})"),
+        )),
+        Panel("Queue depth (tokens)", "short", (
+            ("{{model}} tokens", f"sum by (model) (longdoc_queue_depth_tokens{{{JOB}}})"),
+        )),
+        Panel("Ready replicas", "short", (
+            ("ready", f"sum(up{{{JOB}}})"),
+        ), "Replicas whose /metrics is scraped."),
+    )),
+)
+
+
+def dashboard() -> dict:
+    panels, panel_id, y = [], 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"type": "row", "title": row_title, "id": panel_id, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        panel_id, y = panel_id + 1, y + 1
+        width = 24 // min(len(row_panels), 3)
+        for i, p in enumerate(row_panels):
+            x = (i % 3) * width
+            if i and i % 3 == 0:
+                y += 8
+            panels.append({
+                "type": "timeseries",
+                "title": p.title,
+                "description": p.description,
+                "id": panel_id,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": width, "x": x, "y": y},
+                "fieldConfig": {
+                    "defaults": {
+                        "unit": p.unit,
+                        "custom": {"fillOpacity": 10, "showPoints": "never",
+                                   "stacking": {"mode": "normal" if p.stack else "none"}},
+                    },
+                    "overrides": [],
+                },
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"},
+                            "tooltip": {"mode": "multi", "sort": "desc"}},
+                "targets": [
+                    {"refId": chr(ord("A") + k), "expr": expr, "legendFormat": legend,
+                     "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                    for k, (legend, expr) in enumerate(p.targets)
+                ],
+            })
+            panel_id += 1
+        y += 8
+    return {
+        "uid": "longdoc",
+        "title": "longdoc: long-document serving",
+        "tags": ["longdoc"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [{
+            "name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
+            "current": {}, "hide": 0,
+        }]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of the dashboard."""
+    return [(p.title, expr) for _, row in ROWS for p in row for _, expr in p.targets]
+
+
+# ----------------------------------------------------------------------------------------------
+# Alerts
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    value: str  # the watched quantity; returns data whenever the service is scraped
+    condition: str  # appended to `value` to make the alert expression
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    @property
+    def expr(self) -> str:
+        return f"({self.value}) {self.condition}"
+
+
+def _p99_over_slo() -> str:
+    # p99 per endpoint divided by that endpoint's objective: > 1 means over it.
+    slo = " or ".join(f'label_replace(vector({s}), "endpoint", "{e}", "", "")' for e, s in P99_SLO_SECONDS.items())
+    return f"{quantile(0.99, REQ, 'endpoint', '5m')} / on (endpoint) ({slo})"
+
+
+def alerts() -> tuple[Alert, ...]:
+    limit = max_queue_tokens()
+    return (
+        Alert(
+            "LongdocLatencyP99OverSLO", _p99_over_slo(), "> 1", "10m", "warning",
+            "longdoc {{ $labels.endpoint }}: p99 latency over its objective",
+            "p99 request latency of {{ $labels.endpoint }} is {{ $value | humanizePercentage }} of its "
+            "objective (" + ", ".join(f"{e} {s:g} s" for e, s in P99_SLO_SECONDS.items()) + ") over 5 minutes.",
+        ),
+        Alert(
+            "LongdocErrorRatioHigh",
+            f"sum by (endpoint) (rate(longdoc_request_failures_total{{{JOB},reason=~\"{SERVER_FAILURES}\"}}[5m]))"
+            f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{JOB}}}[5m])), 1e-9)",
+            f"> {ERROR_RATIO_MAX}", "5m", "critical",
+            "longdoc {{ $labels.endpoint }}: server errors over " + f"{ERROR_RATIO_MAX:.0%}",
+            "{{ $value | humanizePercentage }} of {{ $labels.endpoint }} requests failed on the server side "
+            f"({SERVER_FAILURES.replace('|', ', ')}) over 5 minutes.",
+        ),
+        Alert(
+            "LongdocQueueSaturated",
+            f"max by (pod, model) (max_over_time(longdoc_queue_depth_tokens{{{JOB}}}[5m])) / {limit}",
+            f"> {QUEUE_SATURATION}", "5m", "warning",
+            "longdoc {{ $labels.model }}: batcher queue near its limit",
+            "The queue of {{ $labels.model }} on {{ $labels.pod }} held {{ $value | humanizePercentage }} of "
+            f"LONGDOC_MAX_QUEUE_TOKENS ({limit}); beyond it requests get 429. Add replicas or check the HPA.",
+        ),
+        Alert(
+            "LongdocRejectingOverload",
+            f"sum by (endpoint) (rate(longdoc_request_failures_total{{{JOB},reason=\"overloaded\"}}[5m]))",
+            "> 0", "5m", "warning",
+            "longdoc {{ $labels.endpoint }}: answering 429 (queue full)",
+            "{{ $value | humanize }} requests/s of {{ $labels.endpoint }} are turned away with 429.",
+        ),
+        Alert(
+            "LongdocNoReadyPods",
+            f"sum(up{{{JOB}}}) or vector(0)",
+            "== 0", "2m", "critical",
+            "longdoc: no ready replica",
+            "No longdoc replica is being scraped: the service answers nothing.",
+        ),
+    )
+
+
+def rule_groups() -> list[dict]:
+    return [{
+        "name": "longdoc.alerts",
+        "rules": [
+            {"alert": a.name, "expr": a.expr, "for": a.for_, "labels": {"severity": a.severity},
+             "annotations": {"summary": a.summary, "description": a.description}}
+            for a in alerts()
+        ],
+    }]
+
+
+# ----------------------------------------------------------------------------------------------
+# Autoscaling: prometheus-adapter rule for the HPA's Pods metric
+
+
+def adapter_rule() -> dict:
+    series = "longdoc_queue_duration_seconds"
+    window = "2m"
+    return {
+        "seriesQuery": f'{series}_count{{namespace!="",pod!=""}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+        "name": {"matches": f"^{series}_count$", "as": HPA_METRIC},
+        # mean queue wait per request over the window, per pod (0 while idle)
+        "metricsQuery": (
+            f"sum by (<<.GroupBy>>) (rate({series}_sum{{<<.LabelMatchers>>}}[{window}]))"
+            f" / clamp_min(sum by (<<.GroupBy>>) (rate({series}_count{{<<.LabelMatchers>>}}[{window}])), 1e-9)"
+        ),
+    }
+
+
+def adapter_query(namespace: str, pod: str) -> str:
+    """The adapter's query for one pod, as prometheus-adapter expands the template."""
+    q = adapter_rule()["metricsQuery"]
+    return q.replace("<<.GroupBy>>", "pod").replace("<<.LabelMatchers>>", f'namespace="{namespace}",pod=~"{pod}"')
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+HEADER = "# Generated by deploy/monitoring/generate.py: edit that file, then run it.\n"
+
+
+def _yaml(data) -> str:
+    return yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True)
+
+
+def outputs() -> dict[Path, str]:
+    prometheus_rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "longdoc", "labels": {"release": "prometheus"}},
+        "spec": {"groups": rule_groups()},
+    }
+    adapter_values = {"rules": {"default": False, "custom": [adapter_rule()]}}
+    return {
+        ROOT / "deploy/base/grafana-dashboard.json": json.dumps(dashboard(), indent=2) + "\n",
+        ROOT / "deploy/base/prometheusrule.yaml": HEADER + _yaml(prometheus_rule),
+        ROOT / "docker/prometheus/rules.yml": HEADER + _yaml({"groups": rule_groups()}),
+        ROOT / "deploy/prometheus-adapter/values.yaml": (
+            HEADER + "# Helm values for the prometheus-community/prometheus-adapter chart: serves the\n"
+            f"# custom metric {HPA_METRIC} (mean queue wait per request, per pod) to the HPA.\n"
+            + _yaml(adapter_values)
+        ),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Generate the dashboard, alert rules and adapter rule.")
+    parser.add_argument("--check", action="store_true", help="only check that the files are current")
+    args = parser.parse_args()
+    stale = []
+    for path, text in outputs().items():
+        if path.exists() and path.read_text() == text:
+            continue
+        stale.append(path.relative_to(ROOT))
+        if not args.check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if args.check and stale:
+        print("stale (run python3 deploy/monitoring/generate.py):", *stale, file=sys.stderr)
+        return 1
+    for path in stale:
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,512 @@
+"""The FastAPI app: routes -> validation -> tokenization (thread pool) -> batcher -> response.
+
+`create_app(settings, worker_factory=None)` builds an app whose lifespan loads every model on
+every device (workers), warms each up at the maximum length, starts one batcher task per
+model, and tears all of it down after. The routes never touch a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service import windows as W
+from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
+from service.batching import BatchingPolicy
+from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
+from service.metrics import Metrics, length_buckets, length_label
+from service.settings import Settings
+from service.validation import (
+    ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
+    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
+    validate_summarize,
+)
+from service.workers import GenerateParams, ModelInfo, Worker, onnx_worker_factory
+
+log = logging.getLogger("longdoc.service")
+TASKS = ("qa", "summarize", "classify")
+WorkerFactory = Callable[[str, Path, str, Settings], Worker]
+
+
+@dataclass(eq=False)
+class ServedModel:
+    info: ModelInfo
+    devices: list[str]
+    engine: EncoderBatcher | DecodeScheduler
+    length_bounds: tuple[int, ...]
+
+
+@dataclass
+class Timing:
+    """Per-stage seconds, returned as x-*-time headers (milliseconds, as TEI does)."""
+
+    start: float = field(default_factory=time.monotonic)
+    tokenize: float = 0.0
+    queue: float = 0.0
+    inference: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        total = time.monotonic() - self.start
+        ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
+        return {"x-total-time": ms(total), "x-tokenization-time": ms(self.tokenize),
+                "x-queue-time": ms(self.queue), "x-inference-time": ms(self.inference)}
+
+
+class Service:
+    """What the app's lifespan owns: models, engines, the tokenizer pool, readiness."""
+
+    def __init__(self, settings: Settings, worker_factory: WorkerFactory):
+        self.settings = settings
+        self.worker_factory = worker_factory
+        self.metrics = Metrics(settings.max_batch_tokens, settings.max_batch_size)
+        self.models: dict[str, ServedModel] = {}
+        self.defaults: dict[str, str] = {}
+        self.tokenizer_pool: ThreadPoolExecutor | None = None
+        self.ready = False
+        self.draining = False
+        self.limits = Limits(settings.max_document_bytes, settings.max_documents,
+                             settings.request_timeout_s, settings.max_request_timeout_s)
+
+    async def start(self) -> None:
+        s = self.settings
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=s.tokenizer_threads, thread_name_prefix="tokenize")
+        for name, directory in s.models.items():
+            slots = []
+            for i, device in enumerate(s.devices):
+                factory = lambda name=name, directory=directory, device=device: self._load(name, directory, device)  # noqa: E731
+                worker = await asyncio.to_thread(factory)
+                slots.append(WorkerSlot(factory, worker, i))
+            info = slots[0].worker.info
+            if info.task not in TASKS:
+                raise ValueError(f"model {name}: task {info.task!r} is not served (serving {', '.join(TASKS)})")
+            if info.task == "summarize":
+                for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
+                    extra.close()
+                sp = info.special_tokens
+                engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
+                                         eos=int(sp["eos"]), decoder_start=int(sp.get("decoder_start") or 0),
+                                         restart_backoff_s=s.worker_restart_backoff_s)
+                devices = [s.devices[0]]
+            else:
+                policy = BatchingPolicy(
+                    max_batch_tokens=s.max_batch_tokens,
+                    max_batch_size=s.max_batch_size if s.batching else 1,
+                    max_wait_s=s.max_wait_ms / 1000.0 if s.batching else 0.0,
+                    bucket_size=info.block_size,
+                )
+                engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
+                                        pad_id=int(info.special_tokens.get("pad") or 0),
+                                        restart_backoff_s=s.worker_restart_backoff_s)
+                devices = list(s.devices)
+            engine.start()
+            self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
+            self.defaults.setdefault(info.task, name)
+        self.ready = True
+        log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
+
+    def _load(self, name: str, directory: Path, device: str) -> Worker:
+        worker = self.worker_factory(name, directory, device, self.settings)
+        if self.settings.warmup:
+            worker.warmup()
+        return worker
+
+    async def stop(self) -> None:
+        self.draining = True
+        self.ready = False
+        for m in self.models.values():
+            await m.engine.drain(self.settings.shutdown_grace_s)
+        for m in self.models.values():
+            await m.engine.close()
+        if self.tokenizer_pool:
+            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def is_ready(self) -> bool:
+        return self.ready and not self.draining and all(m.engine.healthy() for m in self.models.values())
+
+    def model_for(self, task: str, name: str | None) -> ServedModel:
+        if name is None:
+            if task not in self.defaults:
+                raise ModelNotFound(f"no {task} model is loaded")
+            name = self.defaults[task]
+        m = self.models.get(name)
+        if m is None:
+            raise ModelNotFound(f"unknown model {name!r}; loaded: {', '.join(self.models) or 'none'}")
+        if m.info.task != task:
+            raise InvalidRequest(f"model {name!r} is a {m.info.task} model, not {task}")
+        return m
+
+    async def tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenization + windows (run in the tokenizer pool)
+
+
+def _encode(info: ModelInfo, text: str, limit: int):
+    enc = info.tokenizer.encode(text, add_special_tokens=False)
+    if len(enc.ids) > limit:
+        raise TooLarge(f"document has {len(enc.ids)} tokens; the limit is {limit} tokens")
+    return enc.ids, enc.offsets
+
+
+def _prepare_qa(info: ModelInfo, job: QAJob, stride: int | None, limit: int):
+    q = info.tokenizer.encode(job.question, add_special_tokens=False).ids
+    room = info.max_length - len(q) - 3
+    if room < max(1, info.max_length // 4):  # the document needs room in each window
+        raise InvalidRequest(
+            f"question has {len(q)} tokens; at most {info.max_length - 3 - max(1, info.max_length // 4)} "
+            f"fit with a {info.max_length}-token window"
+        )
+    sp = info.special_tokens
+    out = []
+    for doc in job.common.documents:
+        ids, offsets = _encode(info, doc, limit)
+        out.append((W.qa_windows(q, ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"])), offsets, len(ids)))
+    return out
+
+
+def _prepare_classify(info: ModelInfo, job: ClassifyJob, stride: int | None, limit: int):
+    sp = info.special_tokens
+    out = []
+    for doc in job.common.documents:
+        ids, _ = _encode(info, doc, limit)
+        out.append((W.classify_windows(ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"])), len(ids)))
+    return out
+
+
+def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
+    eos = int(info.special_tokens["eos"])
+    out = []
+    for doc in job.common.documents:
+        ids, _ = _encode(info, doc, limit)
+        keep = info.max_length - 1
+        out.append((list(ids[:keep]) + [eos], len(ids), len(ids) > keep))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the app
+
+
+def _error(exc: ServiceError) -> JSONResponse:
+    return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 503, 504)}
+
+
+class BodyLimitMiddleware:
+    """Before any parsing: POST bodies must be JSON and at most `max_bytes` (413 otherwise)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != b"application/json":
+            return await _error(UnsupportedMediaType(
+                f"content type {ctype.decode('latin-1') or 'missing'}: send application/json"))(scope, receive, send)
+        length = headers.get(b"content-length")
+        too_large = TooLarge(f"request body over {self.max_bytes} bytes")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _error(too_large)(scope, receive, send)
+        # read the whole (bounded) body first: size and UTF-8 are checked before any parsing
+        chunks, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                return await _error(too_large)(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return await _error(InvalidRequest(f"body is not valid UTF-8 (byte {exc.start})"))(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(settings: Settings | None = None, worker_factory: WorkerFactory | None = None) -> FastAPI:
+    settings = settings or Settings()
+    service = Service(settings, worker_factory or onnx_worker_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await service.start()
+        except BaseException:
+            await service.stop()
+            raise
+        yield
+        await service.stop()
+
+    app = FastAPI(title="longdoc", version="0.1.0", lifespan=lifespan,
+                  description="Question answering, summarization and classification over long documents.")
+    app.state.service = service
+    body_limit = settings.max_document_bytes * settings.max_documents + 65536
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
+        endpoint = request.url.path.rsplit("/", 1)[-1]
+        if endpoint in TASKS:
+            service.metrics.failures.labels(endpoint, exc.reason).inc()
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        parts = []
+        for e in exc.errors()[:5]:
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            msg = e.get("msg", "invalid")
+            if e.get("type") == "json_invalid":
+                msg = "body is not valid JSON (or not valid UTF-8)"
+            parts.append(f"{where}: {msg}")
+        endpoint = request.url.path.rsplit("/", 1)[-1]
+        if endpoint in TASKS:
+            service.metrics.failures.labels(endpoint, "validation").inc()
+        return _error(InvalidRequest("; ".join(parts) or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"type": kind, "message": str(exc.detail)}}, exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def serve(request: Request, endpoint: str, work: Callable[[RequestState, Timing], Any]) -> Response:
+        """Run one request: in-flight gauge, disconnect watch, error mapping, request metrics."""
+        timing = Timing()
+        m = service.metrics
+        if service.draining:
+            m.failures.labels(endpoint, "unavailable").inc()
+            return _error(Unavailable("server is shutting down"))
+        m.in_flight.labels(endpoint).inc()
+        state = RequestState(deadline=float("inf"))
+        task = asyncio.ensure_future(work(state, timing))
+
+        async def watch_disconnect():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:  # the client went away: its queued/running work stops
+                state.cancelled = True
+                task.cancel()
+                m.failures.labels(endpoint, "cancelled").inc()
+                return Response(status_code=499)
+            try:
+                response, model, n_tokens = task.result()
+            except ServiceError as exc:
+                m.failures.labels(endpoint, exc.reason).inc()
+                response = _error(exc)
+                model, n_tokens = None, 0
+            except Exception:
+                log.exception("%s failed", endpoint)
+                m.failures.labels(endpoint, "internal").inc()
+                return _error(ServiceError("internal error"))
+            if model is not None:
+                label = (model.info.name, endpoint, length_label(n_tokens, model.length_bounds))
+                m.request_seconds.labels(*label).observe(time.monotonic() - timing.start)
+                m.tokenize_seconds.labels(*label).observe(timing.tokenize)
+                m.queue_seconds.labels(*label).observe(timing.queue)
+                m.inference_seconds.labels(*label).observe(timing.inference)
+            response.headers.update(timing.headers())
+            return response
+        finally:
+            watcher.cancel()
+            m.in_flight.labels(endpoint).dec()
+
+    # ---- QA
+    @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])
+    async def qa(body: QARequest, request: Request):
+        """Answer a question from each document; long documents are read in overlapping windows."""
+        job = validate_qa(body, request.headers.get("x-request-timeout"), service.limits)
+        model = service.model_for("qa", job.common.model)
+
+        async def work(state: RequestState, timing: Timing):
+            state.deadline = job.common.deadline
+            t = time.monotonic()
+            prepared = await service.tokenize(_prepare_qa, model.info, job, settings.qa_stride,
+                                              settings.max_document_tokens)
+            timing.tokenize = time.monotonic() - t
+            seqs = [(w.input_ids, w.token_type_ids) for windows, _, _ in prepared for w in windows]
+            results = await model.engine.submit(seqs, state)
+            timing.queue = results[0].queue_s
+            timing.inference = results[0].inference_s
+            out, i = [], 0
+            for doc, (windows, offsets, n_tokens) in zip(job.common.documents, prepared):
+                rs = results[i : i + len(windows)]
+                i += len(windows)
+                spans = W.best_spans(windows, [r.outputs["start_logits"] for r in rs],
+                                     [r.outputs["end_logits"] for r in rs], offsets, job.top_k, job.max_answer_tokens)
+                service.metrics.windows.labels(model.info.name, "qa").observe(len(windows))
+                out.append({
+                    "answers": [{"text": doc[s.start : s.end], "start": s.start, "end": s.end, "score": s.score}
+                                for s in spans],
+                    "usage": {"tokens": n_tokens, "windows": len(windows), "truncated": False},
+                })
+            total = sum(p[2] for p in prepared)
+            return JSONResponse({"model": model.info.name, "results": out}), model, total
+
+        return await serve(request, "qa", work)
+
+    # ---- classification
+    @app.post("/v1/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["tasks"])
+    async def classify(body: ClassifyRequest, request: Request):
+        """Label each document; long documents: mean of the windows' logits, then softmax."""
+        job = validate_classify(body, request.headers.get("x-request-timeout"), service.limits)
+        model = service.model_for("classify", job.common.model)
+
+        async def work(state: RequestState, timing: Timing):
+            state.deadline = job.common.deadline
+            t = time.monotonic()
+            prepared = await service.tokenize(_prepare_classify, model.info, job, settings.classify_stride,
+                                              settings.max_document_tokens)
+            timing.tokenize = time.monotonic() - t
+            seqs = [(w, None) for windows, _ in prepared for w in windows]
+            results = await model.engine.submit(seqs, state)
+            timing.queue, timing.inference = results[0].queue_s, results[0].inference_s
+            labels = model.info.labels or tuple(f"LABEL_{i}" for i in range(results[0].outputs["logits"].shape[-1]))
+            out, i = [], 0
+            for windows, n_tokens in prepared:
+                rs = results[i : i + len(windows)]
+                i += len(windows)
+                probs = W.pool_logits([r.outputs["logits"].reshape(-1) for r in rs])
+                order = sorted(range(len(probs)), key=lambda k: -probs[k])[: job.top_k or len(probs)]
+                service.metrics.windows.labels(model.info.name, "classify").observe(len(windows))
+                out.append({"labels": [{"label": labels[k], "score": float(probs[k])} for k in order],
+                            "usage": {"tokens": n_tokens, "windows": len(windows), "truncated": False}})
+            return JSONResponse({"model": model.info.name, "results": out}), model, sum(p[1] for p in prepared)
+
+        return await serve(request, "classify", work)
+
+    # ---- summarization
+    @app.post("/v1/summarize", response_model=SummarizeResponse, responses=_ERRORS, tags=["tasks"])
+    async def summarize(body: SummarizeRequest, request: Request):
+        """Summarize each document (truncated at the encoder's maximum; `usage.truncated` says so).
+        With `stream: true`, server-sent events: `token` events `{"id", "text"}`, then `done`
+        with the whole result, or `error` with the error shape."""
+        job = validate_summarize(body, request.headers.get("x-request-timeout"), service.limits)
+        model = service.model_for("summarize", job.common.model)
+        max_new = job.max_new_tokens or min(128, model.info.max_new_tokens)
+        if max_new > model.info.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens {max_new} exceeds this model's {model.info.max_new_tokens}")
+        params = GenerateParams(max_new, job.num_beams, job.length_penalty, job.no_repeat_ngram_size)
+        tok = model.info.tokenizer
+
+        async def work(state: RequestState, timing: Timing):
+            state.deadline = job.common.deadline
+            t = time.monotonic()
+            prepared = await service.tokenize(_prepare_summarize, model.info, job, settings.max_document_tokens)
+            timing.tokenize = time.monotonic() - t
+            t = time.monotonic()
+            streams = [await model.engine.submit(ids, params, state) for ids, _, _ in prepared]
+            n_tokens = sum(p[1] for p in prepared)
+            if job.stream:
+                it = streams[0].__aiter__()
+                try:
+                    first = await it.__anext__()
+                except StopAsyncIteration:
+                    first = None
+                timing.queue = time.monotonic() - t
+                ids, n, truncated = prepared[0]
+                return StreamingResponse(
+                    _sse(it, first, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
+                    media_type="text/event-stream", headers={"cache-control": "no-store"},
+                ), model, n_tokens
+            generated = await asyncio.gather(*(_collect(s) for s in streams))
+            timing.inference = time.monotonic() - t
+            out = [{"summary": tok.decode(g), "generated_tokens": len(g),
+                    "usage": {"tokens": n, "windows": 1, "truncated": trunc}}
+                   for g, (_, n, trunc) in zip(generated, prepared)]
+            return JSONResponse({"model": model.info.name, "results": out}), model, n_tokens
+
+        return await serve(request, "summarize", work)
+
+    # ---- operations
+    @app.get("/v1/models", response_model=ModelsResponse, tags=["operations"])
+    async def models():
+        return {"models": [
+            {"name": n, "task": m.info.task, "default": service.defaults.get(m.info.task) == n,
+             "max_length": m.info.max_length, "block_size": m.info.block_size, "plan": m.info.plan,
+             "dtype": m.info.dtype, "labels": list(m.info.labels) if m.info.labels else None, "devices": m.devices}
+            for n, m in service.models.items()
+        ]}
+
+    @app.get("/livez", tags=["operations"])
+    async def livez():
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["operations"], responses={503: {"model": ErrorResponse}})
+    async def readyz():
+        if service.is_ready():
+            return {"status": "ready"}
+        why = "shutting down" if service.draining else "models loading or a worker restarting"
+        return _error(Unavailable(f"not ready: {why}"))
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    async def metrics():
+        body, ctype = service.metrics.render()
+        return Response(body, media_type=ctype)
+
+    return app
+
+
+async def _collect(stream) -> list[int]:
+    return [t async for t in stream]
+
+
+async def _sse(it, first, tokenizer, usage: dict, service: Service, model: ServedModel):
+    ids: list[int] = []
+    text = ""
+    try:
+        item = first
+        while item is not None:
+            ids.append(item)
+            new = tokenizer.decode(ids)
+            delta, text = new[len(text):], new
+            yield f"event: token\ndata: {json.dumps({'id': item, 'text': delta})}\n\n"
+            try:
+                item = await it.__anext__()
+            except StopAsyncIteration:
+                item = None
+        result = {"summary": tokenizer.decode(ids), "generated_tokens": len(ids), "usage": usage}
+        yield f"event: done\ndata: {json.dumps({'model': model.info.name, 'results': [result]})}\n\n"
+    except ServiceError as exc:
+        service.metrics.failures.labels("summarize", exc.reason).inc()
+        yield f"event: error\ndata: {json.dumps({'error': {'type': exc.type, 'message': exc.message}})}\n\n"

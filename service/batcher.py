@@ -1,0 +1,455 @@
+"""The queue owners: one task per model. Callers `submit` sequences that carry their own futures;
+only the batcher task touches the queue (a `BatchingPolicy`) and the workers.
+
+- `EncoderBatcher` (qa, classify): forms batches by the policy, runs each on a free worker in
+  that worker's own thread, answers the futures. A request's windows are separate sequences, so
+  a request cancelled or past its deadline has its remaining windows skipped.
+- `DecodeScheduler` (summarize): iteration-level batching. Every decoder step runs all live
+  sequences together; new requests are encoded and join at the next step; finished, cancelled
+  or expired sequences leave after the step that finished them.
+
+A worker whose run raises is replaced (restarted from its factory, in the background); the
+requests of the failed batch get 503 and the queue keeps going on the other workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+
+from service.batching import BatchingPolicy, Entry
+from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
+from service.metrics import Metrics
+from service.workers import EncoderBatch, GenerateParams, Worker
+
+log = logging.getLogger("longdoc.service")
+
+
+class RequestState:
+    """Per request: its deadline (monotonic clock) and whether its client went away."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.cancelled = False
+
+    def is_done(self) -> bool:
+        return self.cancelled or time.monotonic() >= self.deadline
+
+    def error(self) -> Exception:
+        if self.cancelled:
+            return Cancelled("client disconnected")
+        return DeadlineExceeded("deadline exceeded")
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class WorkerSlot:
+    """One worker and the single thread that runs it; replaced on failure."""
+
+    def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int):
+        self.factory = factory
+        self.worker = worker
+        self.index = index
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{index}")
+        self.healthy = True
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def restart(self, backoff_s: float, metrics: Metrics, model: str) -> None:
+        self.healthy = False
+        old = self.worker
+        while True:
+            await asyncio.sleep(backoff_s)
+            try:
+                await self.call(old.close)
+            except Exception:  # noqa: BLE001 - a broken worker may fail to close too
+                pass
+            try:
+                self.worker = await self.call(self.factory)
+                break
+            except Exception:
+                log.exception("restarting worker %d of %s failed; retrying", self.index, model)
+                backoff_s = max(backoff_s * 2, 0.1)
+        metrics.worker_restarts.labels(model).inc()
+        self.healthy = True
+
+    def close(self) -> None:
+        try:
+            self.worker.close()
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(eq=False)
+class Sequence:
+    input_ids: tuple[int, ...]
+    token_type_ids: tuple[int, ...] | None
+    request: RequestState
+    future: asyncio.Future
+    enqueued: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    outputs: dict[str, np.ndarray]  # this sequence's outputs, (S, ...) for its own length S
+    queue_s: float
+    inference_s: float
+
+
+def _retry_after(queued_tokens: int, tokens_per_s: float) -> int:
+    return max(1, min(60, math.ceil(queued_tokens / max(tokens_per_s, 1.0))))
+
+
+class EncoderBatcher:
+    def __init__(self, model: str, slots: list[WorkerSlot], policy: BatchingPolicy, metrics: Metrics,
+                 max_queue_tokens: int, pad_id: int, restart_backoff_s: float = 0.5):
+        self.model = model
+        self.slots = slots
+        self.policy = policy
+        self.metrics = metrics
+        self.max_queue_tokens = max_queue_tokens
+        self.pad_id = pad_id
+        self.restart_backoff_s = restart_backoff_s
+        self.tokens_per_s = 0.0  # moving average, for Retry-After
+        self._wake = asyncio.Event()
+        self._idle: asyncio.Queue[WorkerSlot] = asyncio.Queue()
+        for s in slots:
+            self._idle.put_nowait(s)
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self.draining = False
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name=f"batcher-{self.model}")
+
+    def healthy(self) -> bool:
+        return all(s.healthy for s in self.slots)
+
+    def _gauges(self) -> None:
+        self.metrics.queue_requests.labels(self.model).set(len(self.policy))
+        self.metrics.queue_tokens.labels(self.model).set(self.policy.queued_tokens)
+
+    async def submit(self, sequences: list[tuple[tuple[int, ...], tuple[int, ...] | None]],
+                     request: RequestState) -> list[SequenceResult]:
+        """Queue a request's sequences; wait for all (or for its deadline/cancellation)."""
+        need = sum(len(ids) for ids, _ in sequences)
+        if len(self.policy) and self.policy.queued_tokens + need > self.max_queue_tokens:
+            raise Overloaded(
+                f"model {self.model} has {self.policy.queued_tokens} tokens queued (limit {self.max_queue_tokens})",
+                _retry_after(self.policy.queued_tokens, self.tokens_per_s),
+            )
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        seqs = [Sequence(ids, types, request, loop.create_future(), enqueued=now) for ids, types in sequences]
+        for s in seqs:
+            self.policy.append(Entry(len(s.input_ids), now, s, lambda s=s: s.future.done() or request.is_done()))
+        self._gauges()
+        self._wake.set()
+        try:
+            async with asyncio.timeout(max(request.remaining(), 0.0)):
+                await asyncio.gather(*(s.future for s in seqs))
+        except TimeoutError:  # its queued windows are skipped: request.is_done() is now true
+            raise DeadlineExceeded(f"deadline exceeded after {time.monotonic() - now:.3f} s") from None
+        finally:
+            if any(not s.future.done() for s in seqs):  # cancelled/timed out: leave nothing behind
+                for s in seqs:
+                    if not s.future.done():
+                        s.future.cancel()
+                self._wake.set()
+        first = min(s.started for s in seqs)
+        return [
+            SequenceResult(s.future.result(), queue_s=first - now, inference_s=max(x.finished for x in seqs) - first)
+            for s in seqs
+        ]
+
+    async def _loop(self) -> None:
+        while True:
+            slot = await self._idle.get()
+            batch = await self._next_batch(slot)
+            task = asyncio.create_task(self._run(slot, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _next_batch(self, slot: WorkerSlot):
+        while True:
+            self._wake.clear()
+            for e in self.policy.drop_cancelled():
+                if not e.payload.future.done():
+                    e.payload.future.set_exception(e.payload.request.error())
+            now = time.monotonic()
+            batch = self.policy.next_batch(now, budget=slot.worker.max_batch_tokens, force=self.draining)
+            self._gauges()
+            if batch is not None:
+                return batch
+            wake = self.policy.next_wakeup()
+            try:
+                async with asyncio.timeout(None if wake is None else max(wake - now, 0.0)):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _run(self, slot: WorkerSlot, batch) -> None:
+        seqs: list[Sequence] = [e.payload for e in batch.entries if not e.payload.future.done()]
+        if not seqs:
+            self._idle.put_nowait(slot)
+            return
+        longest = max(len(s.input_ids) for s in seqs)
+        ids = np.full((len(seqs), longest), self.pad_id, dtype=np.int64)  # (B, S)
+        mask = np.zeros((len(seqs), longest), dtype=np.int64)
+        types = None if seqs[0].token_type_ids is None else np.zeros((len(seqs), longest), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            n = len(s.input_ids)
+            ids[i, :n], mask[i, :n] = s.input_ids, 1
+            if types is not None:
+                types[i, :n] = s.token_type_ids
+        started = time.monotonic()
+        for s in seqs:
+            s.started = started
+        try:
+            out = await slot.call(slot.worker.run, EncoderBatch(ids, mask, types))
+        except Exception as exc:
+            log.exception("worker %d of %s failed on a batch of %d", slot.index, self.model, len(seqs))
+            for s in seqs:
+                if not s.future.done():
+                    s.future.set_exception(Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
+            await slot.restart(self.restart_backoff_s, self.metrics, self.model)
+            self._idle.put_nowait(slot)
+            self._wake.set()
+            return
+        finished = time.monotonic()
+        real = int(mask.sum())
+        padded = batch.bucket_length * len(seqs)
+        self.metrics.batch_size.labels(self.model).observe(len(seqs))
+        self.metrics.batch_tokens.labels(self.model).observe(padded)
+        self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
+        rate = real / max(finished - started, 1e-6)
+        self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+        for i, s in enumerate(seqs):
+            s.finished = finished
+            if not s.future.done():
+                n = len(s.input_ids)
+                s.future.set_result({k: v[i, :n] for k, v in out.items()})
+        self._idle.put_nowait(slot)
+        self._wake.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Run what is queued (without waiting for fuller batches) until empty or grace is over."""
+        self.draining = True
+        self._wake.set()
+        end = time.monotonic() + grace_s
+        while (len(self.policy) or self._tasks) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        for e in self.policy.drop_cancelled():
+            pass
+        while (b := self.policy.next_batch(time.monotonic(), force=True)) is not None:
+            for e in b.entries:
+                if not e.payload.future.done():
+                    e.payload.future.set_exception(Unavailable("server shutting down"))
+        for s in self.slots:
+            s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# summarization
+
+
+@dataclass(eq=False)
+class DecodeJob:
+    input_ids: list[int]
+    params: GenerateParams
+    request: RequestState
+    tokens: asyncio.Queue  # ints, then None (done) or an Exception
+    enqueued: float
+    started: float = 0.0
+    state: Any = None
+    generated: list[int] = field(default_factory=list)
+    last: int = 0
+    abandoned: bool = False  # its consumer is gone
+
+    def is_done(self) -> bool:
+        return self.abandoned or self.request.is_done()
+
+
+def _banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
+    """Tokens that would repeat an n-gram already in `tokens` (no_repeat_ngram_size)."""
+    if n <= 0 or len(tokens) < n:
+        return set()
+    prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
+    banned = set()
+    for i in range(len(tokens) - n + 1):
+        if tuple(tokens[i : i + n - 1]) == prefix:
+            banned.add(tokens[i + n - 1])
+    return banned
+
+
+class DecodeScheduler:
+    def __init__(self, model: str, slot: WorkerSlot, metrics: Metrics, max_decode_batch: int,
+                 max_queue_tokens: int, eos: int, decoder_start: int, restart_backoff_s: float = 0.5):
+        self.model = model
+        self.slot = slot
+        self.slots = [slot]
+        self.metrics = metrics
+        self.max_decode_batch = max_decode_batch
+        self.max_queue_tokens = max_queue_tokens
+        self.eos = eos
+        self.decoder_start = decoder_start
+        self.restart_backoff_s = restart_backoff_s
+        self.pending: list[DecodeJob] = []
+        self.running: list[DecodeJob] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.draining = False
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name=f"decoder-{self.model}")
+
+    def healthy(self) -> bool:
+        return self.slot.healthy
+
+    def _queued_tokens(self) -> int:
+        return sum(len(j.input_ids) for j in self.pending)
+
+    async def submit(self, input_ids: list[int], params: GenerateParams, request: RequestState) -> AsyncIterator[int]:
+        """Yields generated token ids as they come; raises the request's error if it fails."""
+        queued = self._queued_tokens()
+        if self.pending and queued + len(input_ids) > self.max_queue_tokens:
+            raise Overloaded(f"model {self.model} has {queued} tokens queued (limit {self.max_queue_tokens})", 1)
+        job = DecodeJob(list(input_ids), params, request, asyncio.Queue(), time.monotonic())
+        self.pending.append(job)
+        self._gauges()
+        self._wake.set()
+        return self._stream(job)
+
+    async def _stream(self, job: DecodeJob) -> AsyncIterator[int]:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(max(job.request.remaining(), 0.0)):
+                        item = await job.tokens.get()
+                except TimeoutError:
+                    raise DeadlineExceeded("deadline exceeded while summarizing") from None
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:  # finished, failed, or the consumer stopped reading: leave the batch
+            job.abandoned = True
+            self._wake.set()
+
+    def _gauges(self) -> None:
+        self.metrics.queue_requests.labels(self.model).set(len(self.pending))
+        self.metrics.queue_tokens.labels(self.model).set(self._queued_tokens())
+
+    def _finish(self, job: DecodeJob, item) -> None:
+        job.tokens.put_nowait(item)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.pending and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._admit()
+                if self.running:
+                    await self._step()
+            except Exception as exc:  # the worker failed: everyone in flight gets 503
+                log.exception("decoder worker of %s failed", self.model)
+                for job in self.running:
+                    self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
+                self.running = []
+                await self.slot.restart(self.restart_backoff_s, self.metrics, self.model)
+
+    async def _admit(self) -> None:
+        # drop requests that ended while queued
+        for job in [j for j in self.pending if j.is_done()]:
+            self.pending.remove(job)
+            self._finish(job, job.request.error())
+        room = self.max_decode_batch - len(self.running)
+        if room <= 0 or not self.pending:
+            self._gauges()
+            return
+        beams = [j for j in self.pending if j.params.num_beams > 1]
+        if beams and not self.running:  # beam search runs alone, whole (no step-level joining)
+            job = beams[0]
+            self.pending.remove(job)
+            self._gauges()
+            job.started = time.monotonic()
+            out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params)
+            self.metrics.generated_tokens.labels(self.model).inc(len(out))
+            for t in out:
+                job.tokens.put_nowait(int(t))
+            self._finish(job, None)
+            return
+        joining = [j for j in self.pending if j.params.num_beams == 1][:room]
+        if not joining:
+            return
+        for j in joining:
+            self.pending.remove(j)
+        self._gauges()
+        states = await self.slot.call(self.slot.worker.begin, [j.input_ids for j in joining])
+        now = time.monotonic()
+        for j, s in zip(joining, states):
+            j.state, j.last, j.started = s, self.decoder_start, now
+        self.running.extend(joining)
+
+    async def _step(self) -> None:
+        live = []
+        for job in self.running:  # leave before the step: cancelled or past deadline
+            if job.is_done():
+                self._finish(job, job.request.error())
+            else:
+                live.append(job)
+        self.running = live
+        if not live:
+            return
+        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live], [j.last for j in live])
+        still = []
+        for job, row in zip(live, logits):
+            row = np.asarray(row, dtype=np.float64).copy()
+            for t in _banned_ngram_tokens(job.generated, job.params.no_repeat_ngram_size):
+                row[t] = -np.inf
+            tok = int(row.argmax())
+            if tok == self.eos:
+                self._finish(job, None)
+                continue
+            job.generated.append(tok)
+            job.last = tok
+            job.tokens.put_nowait(tok)
+            self.metrics.generated_tokens.labels(self.model).inc()
+            if len(job.generated) >= job.params.max_new_tokens:
+                self._finish(job, None)
+            else:
+                still.append(job)
+        self.running = still
+
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        end = time.monotonic() + grace_s
+        while (self.pending or self.running) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+        for job in self.pending + self.running:
+            self._finish(job, Unavailable("server shutting down"))
+        self.slot.close()

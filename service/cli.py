@@ -1,0 +1,92 @@
+"""`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve exported models over HTTP",
+        description="Serve exported model directories over HTTP (QA, summarization, classification). "
+                    "Flags override LONGDOC_* environment variables; see docs/service.md.",
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--model", action="append", metavar="NAME=DIR", default=[],
+                   help="a model directory written by `longdoc export` (repeatable); default: every model "
+                        "under <repo>/models/")
+    p.add_argument("--device", action="append", default=[], metavar="cpu|cuda|cuda:N",
+                   help="repeatable: one worker per device for each encoder model (default cpu)")
+    p.add_argument("--threads", type=int, help="intra-op threads per CPU worker")
+    p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-wait-ms", type=float)
+    p.add_argument("--max-queue-tokens", type=int)
+    p.add_argument("--no-batching", action="store_true", help="run every sequence alone (for comparison)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass at the maximum length")
+    p.add_argument("--shutdown-grace-s", type=float, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=serve)
+
+
+def default_model_dirs() -> dict[str, Path]:
+    """Every exported model under <repo>/models/ (or ./models/), named by its directory."""
+    roots = [Path(__file__).resolve().parents[1] / "models", Path.cwd() / "models"]
+    for root in roots:
+        found = {d.name: d for d in sorted(root.glob("*")) if (d / "manifest.json").is_file()}
+        if found:
+            return found
+    raise SystemExit(
+        "longdoc serve: no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
+        "(e.g. `longdoc export CHECKPOINT_DIR models/qa --task qa`), or put exported model directories "
+        f"under {roots[0]}/ (see docs/service.md)."
+    )
+
+
+def build_settings(args: argparse.Namespace):
+    from service.settings import Settings, parse_model_flags
+
+    flags = {
+        "host": args.host, "port": args.port, "threads": args.threads,
+        "max_batch_tokens": args.max_batch_tokens, "max_batch_size": args.max_batch_size,
+        "max_wait_ms": args.max_wait_ms, "max_queue_tokens": args.max_queue_tokens,
+        "shutdown_grace_s": args.shutdown_grace_s,
+    }
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if args.model:
+        overrides["models"] = parse_model_flags(args.model)
+    if args.device:
+        overrides["devices"] = args.device
+    if args.no_batching:
+        overrides["batching"] = False
+    if args.no_warmup:
+        overrides["warmup"] = False
+    settings = Settings(**overrides)  # flags win over LONGDOC_* variables
+    if not settings.models:
+        settings = settings.model_copy(update={"models": default_model_dirs()})
+    return settings
+
+
+def serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from service.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = build_settings(args)
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: /readyz says no at once, then drain
+            app.state.service.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
+    server = Server(config)
+    server.run()
+    return 0 if server.started else 1

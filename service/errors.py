@@ -1,0 +1,52 @@
+"""Service errors: each knows its HTTP status, its `type` in the JSON error shape
+`{"error": {"type", "message"}}`, and its failure reason for metrics."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status = 500
+    type = "internal_error"
+    reason = "internal"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidRequest(ServiceError):
+    status, type, reason = 422, "invalid_request", "validation"
+
+
+class ModelNotFound(ServiceError):
+    status, type, reason = 404, "model_not_found", "validation"
+
+
+class UnsupportedMediaType(ServiceError):
+    status, type, reason = 415, "unsupported_media_type", "validation"
+
+
+class TooLarge(ServiceError):
+    status, type, reason = 413, "too_large", "too_large"
+
+
+class Overloaded(ServiceError):
+    status, type, reason = 429, "overloaded", "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class Unavailable(ServiceError):
+    status, type, reason = 503, "unavailable", "unavailable"
+
+
+class DeadlineExceeded(ServiceError):
+    status, type, reason = 504, "deadline_exceeded", "timeout"
+
+
+class Cancelled(ServiceError):
+    """The client went away; nobody reads the answer (499 in logs, as nginx does)."""
+
+    status, type, reason = 499, "cancelled", "cancelled"

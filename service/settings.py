@@ -1,0 +1,69 @@
+"""Service settings: one pydantic-settings object. Environment variables `LONGDOC_<FIELD>`
+(e.g. `LONGDOC_MAX_BATCH_TOKENS=8192`, `LONGDOC_MODELS='{"qa": "models/qa"}'`,
+`LONGDOC_DEVICES='["cuda:0"]'`); `longdoc serve` flags override them; tests build it directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LONGDOC_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # name -> model directory (export/ layout, manifest.json). Order matters: the first model of
+    # a task is that task's default.
+    models: dict[str, Path] = Field(default_factory=dict)
+    # "cpu", "cuda" or "cuda:N"; each encoder model gets one worker per device.
+    devices: list[str] = Field(default_factory=lambda: ["cpu"])
+    threads: int | None = Field(None, ge=1, description="intra-op threads per CPU worker")
+    tokenizer_threads: int = Field(2, ge=1)
+
+    # dynamic batching (per model)
+    batching: bool = True  # False: every sequence runs alone (max_batch_size 1, no wait)
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch")
+    max_batch_size: int = Field(32, ge=1)
+    max_wait_ms: float = Field(2.0, ge=0)
+    max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
+    max_decode_batch: int = Field(16, ge=1, description="sequences decoding together (summarize)")
+
+    # request limits
+    max_document_bytes: int = Field(2_000_000, ge=1)
+    max_document_tokens: int = Field(65536, ge=1)
+    max_documents: int = Field(16, ge=1)
+    qa_stride: int | None = Field(None, ge=1, description="QA window stride in tokens; default half a window")
+    classify_stride: int | None = Field(None, ge=1, description="default: windows do not overlap")
+    request_timeout_s: float = Field(60.0, gt=0)
+    max_request_timeout_s: float = Field(600.0, gt=0)
+
+    # lifecycle
+    warmup: bool = True  # run each worker once at the maximum length before /readyz says yes
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    worker_restart_backoff_s: float = Field(0.5, ge=0)
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, devices: list[str]) -> list[str]:
+        for d in devices:
+            if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+                raise ValueError(f"device {d!r}: expected cpu, cuda or cuda:N")
+        if not devices:
+            raise ValueError("at least one device")
+        return devices
+
+
+def parse_model_flags(flags: list[str]) -> dict[str, Path]:
+    """`NAME=DIR` flags (repeatable) -> ordered mapping."""
+    models: dict[str, Path] = {}
+    for flag in flags:
+        name, sep, directory = flag.partition("=")
+        if not sep or not name or not directory:
+            raise ValueError(f"--model {flag!r}: expected NAME=DIR")
+        if name in models:
+            raise ValueError(f"--model {name!r} given twice")
+        models[name] = Path(directory)
+    return models

@@ -1,0 +1,218 @@
+"""Request bodies (pydantic, what OpenAPI shows) and their validation into typed, frozen values.
+After `validate_*` nothing downstream re-checks user input."""
+
+from __future__ import annotations
+
+import math
+import time
+import unicodedata
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from service.errors import InvalidRequest, TooLarge
+
+_ALLOWED_CONTROLS = {"\t", "\n", "\r"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    document: str | None = Field(None, description="One document; or give `documents`.")
+    documents: list[str] | None = Field(None, min_length=1, description="Several documents.")
+    model: str | None = Field(None, description="A loaded model's name; default: the task's first model.")
+    timeout: float | None = Field(None, gt=0, description="Deadline in seconds (or header X-Request-Timeout).")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.document is None) == (self.documents is None):
+            raise ValueError("give exactly one of `document` or `documents`")
+        return self
+
+
+class QARequest(_Body):
+    question: str = Field(..., description="The question, answered from each document.")
+    top_k: int = Field(1, ge=1, le=20)
+    max_answer_tokens: int = Field(30, ge=1, le=512)
+
+
+class SummarizeRequest(_Body):
+    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Default: 128, capped by the model.")
+    num_beams: int = Field(1, ge=1, le=8)
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=16)
+    stream: bool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
+
+
+class ClassifyRequest(_Body):
+    top_k: int | None = Field(None, ge=1, le=1000, description="Default: every label.")
+
+
+# responses
+class QAAnswer(BaseModel):
+    text: str
+    start: int = Field(description="character offset into the document")
+    end: int
+    score: float = Field(description="start logit + end logit")
+
+
+class Usage(BaseModel):
+    tokens: int
+    windows: int
+    truncated: bool = False
+
+
+class QAResult(BaseModel):
+    answers: list[QAAnswer]
+    usage: Usage
+
+
+class QAResponse(BaseModel):
+    model: str
+    results: list[QAResult]
+
+
+class SummaryResult(BaseModel):
+    summary: str
+    usage: Usage
+    generated_tokens: int
+
+
+class SummarizeResponse(BaseModel):
+    model: str
+    results: list[SummaryResult]
+
+
+class LabelScore(BaseModel):
+    label: str
+    score: float
+
+
+class ClassifyResult(BaseModel):
+    labels: list[LabelScore]
+    usage: Usage
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[ClassifyResult]
+
+
+class ModelCard(BaseModel):
+    name: str
+    task: str
+    default: bool
+    max_length: int
+    block_size: int
+    plan: str
+    dtype: str
+    labels: list[str] | None
+    devices: list[str]
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# typed, frozen values
+@dataclass(frozen=True)
+class Limits:
+    max_document_bytes: int
+    max_documents: int
+    default_timeout_s: float
+    max_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Common:
+    model: str | None
+    documents: tuple[str, ...]
+    deadline: float  # time.monotonic() clock
+
+
+@dataclass(frozen=True)
+class QAJob:
+    common: Common
+    question: str
+    top_k: int
+    max_answer_tokens: int
+
+
+@dataclass(frozen=True)
+class SummarizeJob:
+    common: Common
+    max_new_tokens: int | None
+    num_beams: int
+    length_penalty: float
+    no_repeat_ngram_size: int
+    stream: bool
+
+
+@dataclass(frozen=True)
+class ClassifyJob:
+    common: Common
+    top_k: int | None
+
+
+def check_text(text: str, what: str, max_bytes: int) -> str:
+    """Non-empty, valid Unicode (no lone surrogates), no control characters, within max_bytes."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
+    if size > max_bytes:
+        raise TooLarge(f"{what} is {size} bytes; the limit is {max_bytes} bytes")
+    if not text.strip():
+        raise InvalidRequest(f"{what} is empty or only whitespace")
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch) == "Cc" and ch not in _ALLOWED_CONTROLS:
+            raise InvalidRequest(f"{what} contains control character U+{ord(ch):04X} at offset {i}")
+    return text
+
+
+def _common(body: _Body, header_timeout: str | None, limits: Limits) -> Common:
+    docs = [body.document] if body.document is not None else list(body.documents or [])
+    if len(docs) > limits.max_documents:
+        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request")
+    for i, d in enumerate(docs):
+        check_text(d, "document" if body.document is not None else f"documents[{i}]", limits.max_document_bytes)
+    timeout = body.timeout
+    if timeout is None and header_timeout is not None:
+        try:
+            timeout = float(header_timeout)
+        except ValueError:
+            raise InvalidRequest(f"X-Request-Timeout {header_timeout!r} is not a number of seconds") from None
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise InvalidRequest("X-Request-Timeout must be a positive number of seconds")
+    if timeout is None:
+        timeout = limits.default_timeout_s
+    if timeout > limits.max_timeout_s:
+        raise InvalidRequest(f"timeout {timeout} s exceeds the server's maximum of {limits.max_timeout_s} s")
+    return Common(body.model, tuple(docs), time.monotonic() + timeout)
+
+
+def validate_qa(body: QARequest, header_timeout: str | None, limits: Limits) -> QAJob:
+    common = _common(body, header_timeout, limits)
+    question = check_text(body.question, "question", limits.max_document_bytes)
+    return QAJob(common, question.strip(), body.top_k, body.max_answer_tokens)
+
+
+def validate_summarize(body: SummarizeRequest, header_timeout: str | None, limits: Limits) -> SummarizeJob:
+    if body.stream and body.documents is not None and len(body.documents) > 1:
+        raise InvalidRequest("stream: true takes a single document")
+    common = _common(body, header_timeout, limits)
+    return SummarizeJob(common, body.max_new_tokens, body.num_beams, body.length_penalty,
+                        body.no_repeat_ngram_size, body.stream)
+
+
+def validate_classify(body: ClassifyRequest, header_timeout: str | None, limits: Limits) -> ClassifyJob:
+    return ClassifyJob(_common(body, header_timeout, limits), body.top_k)

@@ -1,0 +1,324 @@
+"""Workers: the only things that run a model. The seam to the HTTP side is narrow (as in
+text-embeddings-inference's backend trait): `info`, `health()`, `max_batch_tokens`,
+`warmup()`, `run(batch)` for encoders, and `begin`/`step`/`generate` for summarization.
+A worker never sees a pydantic model or a request; the batcher calls it from one thread.
+
+- `OnnxWorker`: `export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
+  (intra-op threads configurable), or on CUDA (`CudaWorker`).
+- `FakeWorker`: a deterministic stand-in with a tiny in-code tokenizer, for API tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True, eq=False)
+class ModelInfo:
+    """What the router may know about a model (from its manifest)."""
+
+    name: str
+    task: str  # "qa" | "classify" | "summarize"
+    max_length: int  # encoder tokens, specials included
+    block_size: int
+    tokenizer: Tokenizer
+    special_tokens: dict[str, int | None]
+    labels: tuple[str, ...] | None = None
+    plan: str = ""
+    attention: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "fp32"
+    max_new_tokens: int = 256  # summarize: decoder positions available
+    directory: str = ""
+
+
+@dataclass(frozen=True)
+class EncoderBatch:
+    input_ids: np.ndarray  # (B, S) int64, padded with the pad id
+    attention_mask: np.ndarray  # (B, S) int64, 1 = real token
+    token_type_ids: np.ndarray | None  # (B, S) int64 or None
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_new_tokens: int
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+
+
+class Worker(Protocol):
+    info: ModelInfo
+    device: str
+    max_batch_tokens: int
+
+    def health(self) -> bool: ...
+    def warmup(self) -> None: ...
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]: ...  # outputs (B, S, ...)
+    def begin(self, input_ids: list[list[int]]) -> list[Any]: ...  # summarize: encode, one state each
+    def step(self, states: list[Any], tokens: list[int]) -> np.ndarray: ...  # (n, vocab) next-token logits
+    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]: ...  # beam search
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime workers
+
+
+def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
+    m = model.manifest
+    max_new = 256
+    if m.decoder:
+        max_new = int(m.decoder.get("max_positions", 256)) - 1
+    return ModelInfo(
+        name=name,
+        task=m.task,
+        max_length=m.max_length,
+        block_size=m.block_size,
+        tokenizer=model.tokenizer,
+        special_tokens=dict(m.special_tokens),
+        labels=tuple(m.labels) if m.labels else None,
+        plan=str(m.attention.get("plan", "")),
+        attention=dict(m.attention),
+        dtype=m.dtype,
+        max_new_tokens=max_new,
+        directory=str(directory),
+    )
+
+
+@dataclass
+class _DecodeState:
+    """One sequence being summarized: its own encoder state and decoder KV cache, so that
+    sequences of different ages can be stacked into one decoder step and leave it freely."""
+
+    cross: list[np.ndarray]  # per decoder layer key, value: (1, H, Se, D)
+    encoder_mask: np.ndarray  # (1, Se)
+    past: list[np.ndarray]  # per decoder layer key, value: (1, H, P, D), P = length
+    length: int = 0  # decoder tokens fed so far (= its next position id)
+
+
+def _stack_padded(arrays: list[np.ndarray], axis: int, left: bool = False) -> np.ndarray:
+    """Concatenate (1, ...) arrays along batch, zero-padding `axis` to the longest."""
+    n = max(a.shape[axis] for a in arrays)
+    out = []
+    for a in arrays:
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (n - a.shape[axis], 0) if left else (0, n - a.shape[axis])
+        out.append(np.pad(a, pad) if n != a.shape[axis] else a)
+    return np.concatenate(out, axis=0)
+
+
+class OnnxWorker:
+    """ONNX Runtime on the CPU execution provider; threads = intra-op threads (None: ORT's choice)."""
+
+    def __init__(self, name: str, directory: Path, device: str = "cpu", threads: int | None = None,
+                 max_batch_tokens: int = 16384):
+        from export.runtime import OnnxModel  # torch-free
+
+        self.device = device
+        self.model = OnnxModel(directory, device="cuda" if device.startswith("cuda") else "cpu", threads=threads)
+        self.info = _info_from_model(name, Path(directory), self.model)
+        self.max_batch_tokens = max(max_batch_tokens, self.info.max_length)
+        self._healthy = True
+
+    def health(self) -> bool:
+        return self._healthy
+
+    def warmup(self) -> None:
+        """One pass at the maximum length: allocates ORT's buffers and the layout cache."""
+        s = self.info.max_length
+        ids = np.full((1, s), self.info.special_tokens.get("sep") or 1, dtype=np.int64)
+        if self.info.task == "summarize":
+            states = self.begin([ids[0].tolist()])
+            self.step(states, [self.info.special_tokens.get("decoder_start") or 0])
+        else:
+            self.run(EncoderBatch(ids, np.ones_like(ids), np.zeros_like(ids)))
+
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        try:
+            return self.model.run_encoder(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        except Exception:
+            self._healthy = False
+            raise
+
+    # summarization: one state per sequence; step() stacks sequences of different ages
+    def begin(self, input_ids: list[list[int]]) -> list[_DecodeState]:
+        longest = max(len(x) for x in input_ids)
+        pad = self.info.special_tokens.get("pad") or 0
+        ids = np.full((len(input_ids), longest), pad, dtype=np.int64)  # (B, S)
+        mask = np.zeros_like(ids)
+        for i, x in enumerate(input_ids):
+            ids[i, : len(x)], mask[i, : len(x)] = x, 1
+        enc = self.model.encode_for_decoding(ids, mask)  # cross: (B, H, Se, D) per layer k/v
+        empty = self.model.empty_past(1)
+        return [
+            _DecodeState([c[i : i + 1] for c in enc.cross], enc.encoder_mask[i : i + 1], list(empty))
+            for i in range(len(input_ids))
+        ]
+
+    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
+        from export.runtime import EncoderState
+
+        n_kv = len(states[0].past)
+        cross = [_stack_padded([s.cross[k] for s in states], axis=2) for k in range(n_kv)]  # (B, H, Se, D)
+        enc_mask = _stack_padded([s.encoder_mask for s in states], axis=1)  # (B, Se)
+        # past left-padded to the oldest sequence; the self mask hides the padding
+        past = [_stack_padded([s.past[k] for s in states], axis=2, left=True) for k in range(n_kv)]  # (B, H, P, D)
+        P = past[0].shape[2]
+        self_mask = np.zeros((len(states), P + 1), dtype=np.int64)  # (B, P + 1)
+        for i, s in enumerate(states):
+            self_mask[i, P - s.length :] = 1
+        positions = np.array([[s.length] for s in states], dtype=np.int64)  # (B, 1)
+        ids = np.array([[t] for t in tokens], dtype=np.int64)  # (B, 1)
+        logits, present = self.model.decoder_step(EncoderState(cross, enc_mask), ids, positions, self_mask, past)
+        for i, s in enumerate(states):
+            s.past = [p[i : i + 1, :, P - s.length :] for p in present]  # (1, H, length + 1, D)
+            s.length += 1
+        return logits[:, -1]  # (B, V)
+
+    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]:
+        ids = np.asarray([input_ids], dtype=np.int64)
+        out = self.model.generate(
+            ids, np.ones_like(ids), max_new_tokens=params.max_new_tokens, num_beams=params.num_beams,
+            length_penalty=params.length_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
+        )
+        eos = self.info.special_tokens.get("eos")
+        return [int(t) for t in out[0] if t != eos]
+
+    def close(self) -> None:
+        self.model = None
+
+
+class CudaWorker(OnnxWorker):
+    """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")); the model
+    directory should hold an fp16 export (`longdoc export --dtype fp16`). Untested here: the
+    development machine has no GPU. OnnxModel picks no device id yet, so only cuda / cuda:0
+    are accepted; I/O binding is not used yet (inputs are copied per run)."""
+
+    def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
+                 max_batch_tokens: int = 65536):
+        if device not in ("cuda", "cuda:0"):
+            raise ValueError(f"device {device}: only cuda:0 is supported (export.runtime has no device id)")
+        super().__init__(name, directory, device="cuda", threads=threads, max_batch_tokens=max_batch_tokens)
+        if self.info.dtype != "fp16":
+            import logging
+
+            logging.getLogger("longdoc.service").warning("model %s on %s is %s, not fp16", name, device,
+                                                         self.info.dtype)
+
+
+def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Worker:
+    if device.startswith("cuda"):
+        return CudaWorker(name, directory, device, settings.threads, settings.max_batch_tokens)
+    return OnnxWorker(name, directory, device, settings.threads, settings.max_batch_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake worker (tests): deterministic "models" over a tiny word-level tokenizer.
+
+FAKE_SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "eos": 5, "bos": 6, "decoder_start": 0}
+FAKE_WORDS = ("gold", "good", "bad", "the", "is", "where", "what", "a", "of", "and", "answer")
+
+
+def fake_tokenizer(extra_words: int = 200) -> Tokenizer:
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "</s>": 5, "<s>": 6}
+    for w in (*FAKE_WORDS, *(f"w{i}" for i in range(extra_words))):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+class FakeWorker:
+    """qa: start and end logits peak on the token "gold"; classify: logits = counts of "bad" and
+    "good" per window (labels bad, good); summarize: copies the document's first tokens, then
+    eos. `delay_s` sleeps per run/step; `fail_runs` makes that many runs raise."""
+
+    def __init__(self, name: str = "fake", task: str = "qa", max_length: int = 64, block_size: int = 8,
+                 delay_s: float = 0.0, fail_runs: int = 0, summary_tokens: int = 6, max_batch_tokens: int = 4096):
+        self.device = "cpu"
+        self.tokenizer = fake_tokenizer()
+        self.info = ModelInfo(
+            name=name, task=task, max_length=max_length, block_size=block_size, tokenizer=self.tokenizer,
+            special_tokens=dict(FAKE_SPECIALS), labels=("bad", "good") if task == "classify" else None,
+            plan="hf-eval", max_new_tokens=64,
+        )
+        self.max_batch_tokens = max_batch_tokens
+        self.delay_s = delay_s
+        self.fail_runs = fail_runs
+        self.summary_tokens = summary_tokens
+        self.vocab_size = self.tokenizer.get_vocab_size()
+        self.batches: list[tuple[int, int]] = []  # (batch size, padded length) per run
+        self.steps: list[int] = []  # batch size per decoder step
+        self._lock = threading.Lock()
+        self._healthy = True
+        self.closed = False
+
+    def health(self) -> bool:
+        return self._healthy
+
+    def warmup(self) -> None:
+        n = self.info.max_length
+        self.run(EncoderBatch(np.ones((1, n), np.int64), np.ones((1, n), np.int64), None))
+        self.batches.clear()
+
+    def _maybe_fail(self) -> None:
+        with self._lock:
+            if self.fail_runs > 0:
+                self.fail_runs -= 1
+                self._healthy = False
+                raise RuntimeError("fake worker failure")
+
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        self._maybe_fail()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        ids = batch.input_ids
+        assert ids.shape[1] <= self.info.max_length, ids.shape
+        self.batches.append(ids.shape)
+        vocab = self.tokenizer.get_vocab()
+        if self.info.task == "qa":
+            hit = (ids == vocab["gold"]).astype(np.float32) * 10.0
+            return {"start_logits": hit, "end_logits": hit.copy()}
+        bad = (ids == vocab["bad"]).sum(axis=1)
+        good = (ids == vocab["good"]).sum(axis=1)
+        return {"logits": np.stack([bad, good], axis=1).astype(np.float32)}
+
+    def begin(self, input_ids: list[list[int]]) -> list[Any]:
+        self._maybe_fail()
+        return [{"source": list(ids), "length": 0} for ids in input_ids]
+
+    def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.steps.append(len(states))
+        logits = np.zeros((len(states), self.vocab_size), np.float32)
+        for i, s in enumerate(states):
+            source = [t for t in s["source"] if t > FAKE_SPECIALS["bos"]]
+            n = s["length"]
+            nxt = source[n] if n < min(len(source), self.summary_tokens) else FAKE_SPECIALS["eos"]
+            logits[i, nxt] = 1.0
+            s["length"] += 1
+        return logits
+
+    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]:
+        states = self.begin([input_ids])
+        out, tok = [], FAKE_SPECIALS["decoder_start"]
+        for _ in range(params.max_new_tokens):
+            tok = int(self.step(states, [tok])[0].argmax())
+            if tok == FAKE_SPECIALS["eos"]:
+                break
+            out.append(tok)
+        return out
+
+    def close(self) -> None:
+        self.closed = True

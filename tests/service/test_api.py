@@ -1,0 +1,286 @@
+"""The HTTP API on fake workers: routes, validation errors, windows, backpressure, deadlines,
+worker failure, metrics. The fake QA model points at the token "gold"; the fake classifier
+counts "good" and "bad"; the fake summarizer copies the document's first tokens."""
+
+import asyncio
+import json
+
+import pytest
+
+from tests.service.conftest import fake_factory, running_app
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def filler(n, start=0):
+    return " ".join(f"w{(start + i) % 200}" for i in range(n))
+
+
+def test_qa_finds_answer_in_a_later_window_with_char_offsets():
+    # max_length 64: question "where is the gold" (4 tokens) leaves 57 per window; stride 28
+    doc = filler(150) + " the Gold is here " + filler(20)
+
+    async def go():
+        async with running_app() as c:
+            r = await c.post("/v1/qa", json={"question": "where is the gold", "document": doc})
+            return r
+
+    r = run(go())
+    assert r.status_code == 200, r.text
+    res = r.json()["results"][0]
+    ans = res["answers"][0]
+    assert ans["text"] == "Gold" and doc[ans["start"] : ans["end"]] == "Gold"
+    assert ans["start"] == doc.index("Gold")
+    assert res["usage"]["windows"] > 2 and res["usage"]["tokens"] == 150 + 4 + 20
+    for h in ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time"):
+        assert float(r.headers[h]) >= 0
+
+
+def test_qa_several_documents_and_top_k():
+    async def go():
+        async with running_app() as c:
+            return await c.post("/v1/qa", json={"question": "what", "documents": ["a gold b", "x y gold gold"],
+                                                 "top_k": 3, "max_answer_tokens": 1})
+
+    r = run(go())
+    assert r.status_code == 200, r.text
+    first, second = r.json()["results"]
+    assert [a["text"] for a in first["answers"]][0] == "gold"
+    assert {a["start"] for a in second["answers"] if a["text"] == "gold"} == {4, 9}
+
+
+def test_classify_pools_windows():
+    doc = "good " * 10 + filler(200) + " bad" * 3
+
+    async def go():
+        async with running_app() as c:
+            return await c.post("/v1/classify", json={"document": doc, "top_k": 1})
+
+    r = run(go())
+    assert r.status_code == 200, r.text
+    res = r.json()["results"][0]
+    assert res["labels"][0]["label"] == "good" and res["usage"]["windows"] == 4
+    assert 0.5 < res["labels"][0]["score"] <= 1.0
+
+
+def test_summarize_and_usage_truncation():
+    async def go():
+        async with running_app() as c:
+            short = await c.post("/v1/summarize", json={"document": "w1 w2 w3 w4 w5 w6 w7 w8"})
+            long = await c.post("/v1/summarize", json={"document": filler(100), "max_new_tokens": 3})
+            return short, long
+
+    short, long = run(go())
+    assert short.status_code == 200, short.text
+    res = short.json()["results"][0]
+    assert res["summary"] == "w1 w2 w3 w4 w5 w6" and res["generated_tokens"] == 6
+    assert res["usage"]["truncated"] is False
+    res = long.json()["results"][0]
+    assert res["generated_tokens"] == 3 and res["usage"]["truncated"] is True and res["usage"]["tokens"] == 100
+
+
+def test_summarize_streams_server_sent_events():
+    async def go():
+        async with running_app() as c:
+            async with c.stream("POST", "/v1/summarize", json={"document": "w5 w6 w7", "stream": True}) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                return [line async for line in r.aiter_lines() if line]
+
+    lines = run(go())
+    events = [line.split(": ", 1)[1] for line in lines if line.startswith("event:")]
+    assert events == ["token", "token", "token", "done"]
+    assert '"summary": "w5 w6 w7"' in lines[-1]
+
+
+def test_iteration_level_batching_joins_running_batch():
+    factory = fake_factory(summarize={"delay_s": 0.02, "summary_tokens": 20})
+
+    async def go():
+        async with running_app(factory) as c:
+            first = asyncio.create_task(c.post("/v1/summarize", json={"document": filler(30)}))
+            await asyncio.sleep(0.1)  # the first is decoding now
+            second = await c.post("/v1/summarize", json={"document": filler(30, 50), "max_new_tokens": 3})
+            return await first, second
+
+    first, second = run(go())
+    assert first.status_code == second.status_code == 200
+    steps = [w for w in factory.made if w.info.task == "summarize"][0].steps
+    assert 2 in steps  # the second joined the first's batch
+    assert steps[0] == 1 and steps[-1] == 1  # ... and left it when done
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"question": "q", "document": ""}, 422, "empty"),
+        ({"question": "q", "document": " \n\t "}, 422, "whitespace"),
+        ({"question": "q", "document": "a\x00b"}, 422, "control character U+0000"),
+        ({"question": "q", "document": "a\x1bb"}, 422, "control character"),
+        ({"question": "q", "document": "\ud800"}, 422, "UTF-8"),
+        ({"question": "", "document": "gold"}, 422, "question is empty"),
+        ({"question": "q"}, 422, "exactly one"),
+        ({"question": "q", "document": "a", "documents": ["b"]}, 422, "exactly one"),
+        ({"question": "q", "document": "a", "top_k": 0}, 422, "top_k"),
+        ({"question": "q", "document": "a", "max_answer_tokens": -5}, 422, "max_answer_tokens"),
+        ({"question": "q", "document": "a", "model": "nope"}, 404, "unknown model"),
+        ({"question": "q", "document": "a", "model": "cls"}, 422, "classify model"),
+        ({"question": "q", "document": "a", "bogus": 1}, 422, "bogus"),
+        ({"question": "q", "document": "a", "timeout": 10_000}, 422, "maximum"),
+        ({"question": " ".join(["w1"] * 60), "document": "gold"}, 422, "question has 60 tokens"),
+        ({"question": "q", "document": "w1 " * 600}, 413, "limit is 500 tokens"),
+        ({"question": "q", "documents": ["a"] * 5}, 413, "limit is 4"),
+    ],
+)
+def test_qa_validation_errors(body, status, fragment):
+    async def go():
+        async with running_app(max_document_tokens=500, max_documents=4) as c:
+            # json.dumps escapes lone surrogates (\ud800) as a client may; httpx's json= cannot
+            r = await c.post("/v1/qa", content=json.dumps(body), headers={"content-type": "application/json"})
+            ok = await c.post("/v1/qa", json={"question": "q", "document": "gold"})  # still serving
+            return r, ok
+
+    r, ok = run(go())
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"type", "message"} and fragment in err["message"]
+    assert ok.status_code == 200
+
+
+def test_summarize_absurd_params():
+    async def go():
+        async with running_app() as c:
+            return [await c.post("/v1/summarize", content=json.dumps({"document": "w1", **p}),
+                                 headers={"content-type": "application/json"})
+                    for p in ({"num_beams": 10**6}, {"max_new_tokens": -1}, {"max_new_tokens": 4000},
+                              {"length_penalty": float("inf")}, {"stream": True, "documents": ["a", "b"]})]
+
+    for r in run(go()):
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["type"] == "invalid_request"
+
+
+def test_transport_errors():
+    async def go():
+        async with running_app(max_document_bytes=1000, max_documents=2) as c:
+            return [
+                await c.post("/v1/qa", content=b'{"question": "q", "document": "gold"}',
+                             headers={"content-type": "text/plain"}),
+                await c.post("/v1/qa", content=b'{"question": "q", "document": "\xff\xfe"}',
+                             headers={"content-type": "application/json"}),
+                await c.post("/v1/qa", content=b"{not json", headers={"content-type": "application/json"}),
+                await c.post("/v1/qa", json={"question": "q", "document": "gold " * 300}),
+                await c.post("/v1/qa", json={"question": "q", "documents": ["x" * 999] * 70}),
+                await c.get("/v1/nothing"),
+            ]
+
+    ctype, utf8, notjson, big_doc, big_body, missing = run(go())
+    assert ctype.status_code == 415
+    assert utf8.status_code == 422 and "UTF-8" in utf8.json()["error"]["message"]
+    assert notjson.status_code == 422
+    assert big_doc.status_code == 413 and "limit is 1000 bytes" in big_doc.json()["error"]["message"]
+    assert big_body.status_code == 413 and big_body.json()["error"]["type"] == "too_large"
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+
+
+def test_overload_gives_429_with_retry_after():
+    factory = fake_factory(qa={"delay_s": 0.05})
+
+    async def go():
+        async with running_app(factory, max_queue_tokens=200, max_batch_size=1) as c:
+            reqs = [c.post("/v1/qa", json={"question": "q", "document": filler(50)}) for _ in range(20)]
+            return await asyncio.gather(*reqs)
+
+    codes = [r.status_code for r in run(go())]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    r = [r for r in run(go()) if r.status_code == 429][0]
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "overloaded"
+
+
+def test_deadline_gives_504_and_skips_queued_windows():
+    factory = fake_factory(qa={"delay_s": 0.1})
+
+    async def go():
+        async with running_app(factory, max_batch_size=1) as c:
+            r = await c.post("/v1/qa", json={"question": "q", "document": filler(400)},
+                             headers={"x-request-timeout": "0.25"})
+            await asyncio.sleep(0.3)
+            return r
+
+    r = run(go())
+    assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    qa = [w for w in factory.made if w.info.task == "qa"][0]
+    assert 1 <= len(qa.batches) < 8  # 400 tokens = 14 windows; the rest were dropped
+
+
+def test_worker_failure_gives_503_then_recovers():
+    factory = fake_factory(qa={"fail_runs": 1})
+
+    async def go():
+        async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
+            bad = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+            for _ in range(100):
+                if (await c.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.01)
+            good = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+            metrics = (await c.get("/metrics")).text
+            return bad, good, metrics
+
+    bad, good, metrics = run(go())
+    assert bad.status_code == 503 and bad.json()["error"]["type"] == "unavailable"
+    assert good.status_code == 200
+    assert 'longdoc_worker_restarts_total{model="qa"} 1.0' in metrics
+    assert len(factory.made) == 4  # qa, cls, sum, and the restarted qa
+
+
+def test_models_health_and_metrics():
+    async def go():
+        async with running_app() as c:
+            await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+            await c.post("/v1/qa", json={"question": "q", "document": ""})
+            return (await c.get("/v1/models"), await c.get("/livez"), await c.get("/readyz"),
+                    await c.get("/metrics"), c.app)
+
+    models, live, ready, metrics, app = run(go())
+    names = {m["name"]: m for m in models.json()["models"]}
+    assert names["qa"]["task"] == "qa" and names["qa"]["default"] and names["cls"]["labels"] == ["bad", "good"]
+    assert live.status_code == 200 and ready.status_code == 200
+    text = metrics.text
+    for name in ("longdoc_request_duration_seconds_bucket", "longdoc_tokenize_duration_seconds",
+                 "longdoc_queue_duration_seconds", "longdoc_inference_duration_seconds", "longdoc_batch_size",
+                 "longdoc_batch_tokens", "longdoc_padding_waste_ratio", "longdoc_queue_depth_requests",
+                 "longdoc_queue_depth_tokens", "longdoc_in_flight_requests", "longdoc_windows_per_request",
+                 "longdoc_generated_tokens", "longdoc_request_failures_total"):
+        assert name in text, name
+    assert 'longdoc_request_failures_total{endpoint="qa",reason="validation"} 1.0' in text
+    assert 'length_bucket="le_8"' in text
+    assert not app.state.service.is_ready()  # lifespan over: shut down
+
+
+def test_batching_puts_concurrent_requests_in_one_batch():
+    factory = fake_factory(qa={"delay_s": 0.05})
+
+    async def go():
+        async with running_app(factory, max_wait_ms=20) as c:
+            return await asyncio.gather(*(c.post("/v1/qa", json={"question": "q", "document": "a gold"})
+                                          for _ in range(6)))
+
+    assert all(r.status_code == 200 for r in run(go()))
+    qa = [w for w in factory.made if w.info.task == "qa"][0]
+    assert max(shape[0] for shape in qa.batches) >= 3
+
+
+def test_batching_off_runs_one_by_one():
+    factory = fake_factory()
+
+    async def go():
+        async with running_app(factory, batching=False) as c:
+            return await asyncio.gather(*(c.post("/v1/qa", json={"question": "q", "document": "a gold"})
+                                          for _ in range(6)))
+
+    assert all(r.status_code == 200 for r in run(go()))
+    qa = [w for w in factory.made if w.info.task == "qa"][0]
+    assert {shape[0] for shape in qa.batches} == {1}

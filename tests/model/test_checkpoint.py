@@ -190,3 +190,74 @@ def test_corrupt_safetensors_and_config(hf_checkpoint, tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(LoadError, match="not valid JSON"):
         load_pretrained(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer files (model.tokenization: no torch)
+
+
+def _write_tokenizer(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "[UNK]"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+
+
+def test_tokenizer_and_special_token_ids(tmp_path):
+    from model.tokenization import load_tokenizer, special_token_ids
+
+    _write_tokenizer(tmp_path)
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"cls_token": {"content": "[CLS]", "lstrip": False}, "sep_token": "[SEP]", "mask_token": "[MASK]"})
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>", "sep_token": "[UNK]"}))
+    # config ids fill what the tokenizer files do not name; a wrong config sep id loses to the file
+    (tmp_path / "config.json").write_text(
+        json.dumps({"bos_token_id": 2, "eos_token_id": 1, "sep_token_id": 99, "decoder_start_token_id": 0})
+    )
+    assert load_tokenizer(tmp_path).encode("hello world").ids == [6, 7]
+    assert special_token_ids(tmp_path) == {
+        "pad": 0, "cls": 3, "sep": 4, "mask": 5, "bos": 2, "eos": 1, "decoder_start": 0
+    }
+
+
+def test_tokenizer_missing_is_a_clear_error(tmp_path):
+    from model.tokenization import TokenizerError, load_tokenizer, special_token_ids
+
+    with pytest.raises(TokenizerError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="has no tokenizer.json"):
+        special_token_ids(tmp_path)
+
+
+def test_tokenization_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, model.tokenization; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bigbird_pegasus_dispatch_and_round_trip(tmp_path):
+    """model_type bigbird_pegasus goes to model.pegasus; what we save, transformers loads."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BigBirdPegasusConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=40, decoder_ffn_dim=40, max_position_embeddings=512,
+        block_size=16, num_random_blocks=2, dropout=0.0, attention_dropout=0.0,
+    )
+    transformers.BigBirdPegasusForConditionalGeneration(cfg).save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf", plan="hf-eval")
+    assert type(ours).__name__ == "BigBirdPegasusForConditionalGeneration" and not ours.training
+    assert ours.attention_spec.plan == "hf-eval"
+    with torch.no_grad():
+        ours.model.shared.weight.add_(0.01)
+    theirs = transformers.BigBirdPegasusForConditionalGeneration.from_pretrained(
+        save_pretrained(ours, tmp_path / "saved")
+    ).eval()
+    assert torch.equal(theirs.model.shared.weight, ours.model.shared.weight)
+    assert torch.equal(theirs.lm_head.weight, ours.model.shared.weight)

@@ -33,6 +33,11 @@ from model.layout import Layout
 MASK_PENALTY = -10000.0  # transformers' attn_mask_penalty for padded keys
 
 
+def _excluded(dtype: torch.dtype) -> float:
+    """Logit bias of a key that must not count at all (far below MASK_PENALTY)."""
+    return torch.finfo(dtype).min / 2
+
+
 class LayoutTensors(NamedTuple):
     key_blocks: torch.Tensor  # (H, nb, K) long
     valid: torch.Tensor  # (H, nb, K) bool
@@ -85,11 +90,15 @@ def block_sparse_attention(
     vg = v.reshape(B, H * nb, bs, D).index_select(1, flat)  # (B, H*nb*K, bs, D)
     kg = kg.view(B, H, nb, K * bs, D)  # (B, H, nb, K*bs, D)
     vg = vg.view(B, H, nb, K * bs, D)  # (B, H, nb, K*bs, D)
-    scores = torch.matmul(qb, kg.transpose(-1, -2)) * scale  # (B, H, nb, bs, K*bs)
+    # one additive bias per (row, key slot): padded keys get MASK_PENALTY, table padding slots
+    # get a value no real logit reaches (half the dtype minimum, so adding a logit never
+    # overflows to -inf and a row that is all padding slots, e.g. a global row, stays finite)
     pen = penalty.view(B, nb, bs).index_select(1, key_blocks.reshape(H * nb * K))  # (B, H*nb*K, bs)
-    scores = scores + pen.view(B, H, nb, 1, K * bs)  # (B, H, nb, bs, K*bs)
+    pen = pen.view(B, H, nb, 1, K * bs)  # (B, H, nb, 1, K*bs)
     slot_valid = valid.view(1, H, nb, 1, K, 1).expand(1, H, nb, 1, K, bs).reshape(1, H, nb, 1, K * bs)
-    scores = scores.masked_fill(~slot_valid, torch.finfo(scores.dtype).min)
+    bias = pen.masked_fill(~slot_valid, _excluded(q.dtype))  # (B, H, nb, 1, K*bs)
+    scores = torch.matmul(qb, kg.transpose(-1, -2)) * scale  # (B, H, nb, bs, K*bs)
+    scores = scores + bias
     probs = F.softmax(scores, dim=-1)  # (B, H, nb, bs, K*bs)
     sparse_out = torch.matmul(probs, vg)  # (B, H, nb, bs, D)
 
@@ -133,6 +142,6 @@ def dense_reference_attention(
 
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, S, S)
     logits = logits + torch.log(counts.clamp(min=1.0)) + ((1.0 - key_mask) * MASK_PENALTY).view(B, 1, 1, S)
-    logits = logits.masked_fill(counts == 0, torch.finfo(logits.dtype).min)
+    logits = logits.masked_fill(counts == 0, _excluded(logits.dtype))
     out = torch.matmul(F.softmax(logits, dim=-1), v)  # (B, H, S, D)
     return out * key_mask.view(B, 1, S, 1)

@@ -179,18 +179,19 @@ def build_layout(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int)
 @functools.lru_cache(maxsize=512)
 def _build_layout(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int) -> Layout:
     builder = _BUILDERS[spec.pattern]
-    rows, global_rows = builder(spec, n_blocks, num_heads, layer)
-    return _pack(rows, global_rows, n_blocks)
+    rows, global_rows, *width = builder(spec, n_blocks, num_heads, layer)
+    return _pack(rows, global_rows, n_blocks, *width)
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers
 
 
-def _pack(rows: list[list[list[int]]], global_rows: np.ndarray, n_blocks: int) -> Layout:
+def _pack(rows: list[list[list[int]]], global_rows: np.ndarray, n_blocks: int, min_width: int = 1) -> Layout:
     """rows[h][i] = key blocks of (head h, query block i) -> padded (H, nb, K) table."""
     num_heads = len(rows)
     width = max((len(r) for head in rows for i, r in enumerate(head) if not global_rows[i]), default=1)
+    width = max(width, min_width)
     key_blocks = np.zeros((num_heads, n_blocks, width), dtype=np.int64)
     valid = np.zeros((num_heads, n_blocks, width), dtype=bool)
     for h, head in enumerate(rows):
@@ -444,7 +445,9 @@ def _two_step(a1, a2, spec: AttentionSpec, n_blocks: int, num_heads: int, layer:
         heads = [rows_a1 if layer % 2 == 0 else rows_a2] * num_heads
     else:  # multihead
         heads = [rows_a1 if h < (num_heads + 1) // 2 else rows_a2 for h in range(num_heads)]
-    return heads, np.zeros(n_blocks, dtype=bool)
+    # every layer gets the same table width, so per-layer tables stack (one ONNX input per kind)
+    width = max(len(r) for r in rows_a1 + rows_a2)
+    return heads, np.zeros(n_blocks, dtype=bool), width
 
 
 def _strided(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int):

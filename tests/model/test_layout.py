@@ -166,3 +166,13 @@ def test_layout_module_imports_no_torch():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("head_config", ["union", "sequential", "multihead"])
+def test_layers_share_shapes_so_tables_stack(pattern, head_config):
+    # model/ stacks per-layer tables into one tensor per kind for export
+    spec = _spec(pattern, "seeded", head_config=head_config, num_random_blocks=2)
+    layouts = [build_layout(spec, 11, 2, layer) for layer in range(4)]
+    assert len({lay.key_blocks.shape for lay in layouts}) == 1
+    assert len({tuple(lay.global_index) for lay in layouts}) == 1

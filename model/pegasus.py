@@ -1,0 +1,543 @@
+"""BigBird-Pegasus encoder-decoder, weight-compatible with transformers'
+`BigBirdPegasusForConditionalGeneration` (google/bigbird-pegasus-large-arxiv, -pubmed, -bigpatent).
+
+Read top-down:
+  small modules (activation, encoder attention, encoder layer, decoder attention, decoder layer)
+  -> BigBirdPegasusConfig -> encoder -> decoder -> BigBirdPegasusModel
+  -> BigBirdPegasusForConditionalGeneration (lm_head, final_logits_bias, generate()).
+
+Architecture (what the checkpoints hold):
+- Pre-LN transformer layers (LayerNorm -> sublayer -> residual); a final LayerNorm named
+  `layernorm_embedding` after the last layer of each stack (the name is historical).
+- Learned absolute position embeddings (`embed_positions`, one per stack) added to the token
+  embeddings, which are multiplied by sqrt(d_model) when `scale_embedding`.
+- One token embedding table `model.shared`, used by the encoder, the decoder and (tied) the LM head.
+  `state_dict()` holds the same keys as transformers' module, tied aliases included
+  (`model.encoder.embed_tokens.weight`, `model.decoder.embed_tokens.weight`, `lm_head.weight`);
+  `TIED_WEIGHTS` says which keys are aliases, so a checkpoint that stores only `model.shared.weight`
+  (what transformers writes) loads, and `final_logits_bias` may be absent (`OPTIONAL_KEYS`).
+- Encoder self-attention is block-sparse (BigBird, paper App. D) via `model.attention` with a
+  layout table from `model.layout`, or full attention for short inputs; which one is decided by
+  `model.lengths.plan_length` before `forward`, never by changing the config.
+- Decoder: causal full self-attention with a KV cache, full cross-attention over the encoder output.
+
+Export-friendly entry points (engineer E's graphs call these):
+- `BigBirdPegasusEncoder.forward(input_ids, attention_mask, layouts)`: padded input, per-layer layout
+  tensors as inputs (or `layouts=None` for full attention).
+- `BigBirdPegasusForConditionalGeneration.cross_attention_kv(encoder_hidden_states)`: per-layer
+  cross-attention K/V, computed once per request.
+- `BigBirdPegasusForConditionalGeneration.decoder_step(input_ids, position_ids, self_attention_mask,
+  cross_kv, encoder_attention_mask, past_kv)`: explicit positions and a mask over past+current
+  positions, so sequences of different ages can share a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # model.attention is imported when a block-sparse layout is first used
+    from model.attention import LayoutTensors
+
+# ----------------------------------------------------------------------------------------------
+# small modules
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    # the tanh approximation of GELU (Hendrycks & Gimpel 2016), what configs call "gelu_new"
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": gelu_tanh,
+    "gelu_fast": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "tanh": torch.tanh,
+}
+
+
+def _mask_value(dtype: torch.dtype) -> float:
+    # transformers fills masked attention logits with the dtype's most negative value
+    return torch.finfo(dtype).min
+
+
+class EncoderQKV(nn.Module):
+    """The query/key/value projections; a separate module only so that parameter names are
+    `self_attn.self.query.weight` etc. as in the checkpoints."""
+
+    def __init__(self, d_model: int, bias: bool):
+        super().__init__()
+        self.query = nn.Linear(d_model, d_model, bias=bias)
+        self.key = nn.Linear(d_model, d_model, bias=bias)
+        self.value = nn.Linear(d_model, d_model, bias=bias)
+
+
+class EncoderSelfAttention(nn.Module):
+    """Encoder self-attention: block-sparse when given a layout, full otherwise."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool, attention_dropout: float):
+        super().__init__()
+        assert d_model % n_heads == 0
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.attention_dropout = attention_dropout
+        self.self = EncoderQKV(d_model, bias)
+        self.output = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, layout: LayoutTensors | None) -> torch.Tensor:
+        B, S, C = x.shape
+        H, D = self.n_heads, self.head_dim
+        q = self.self.query(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        k = self.self.key(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        v = self.self.value(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        if layout is None:
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)  # (B, H, S, S)
+            scores = scores.masked_fill(~key_mask.bool()[:, None, None, :], _mask_value(scores.dtype))
+            probs = F.dropout(F.softmax(scores, dim=-1), self.attention_dropout, self.training)
+            y = probs @ v  # (B, H, S, D)
+        else:
+            from model.attention import block_sparse_attention
+
+            # transformers' block-sparse path has no attention dropout
+            y = block_sparse_attention(q, k, v, layout, key_mask)  # (B, H, S, D)
+        y = y.transpose(1, 2).reshape(B, S, C)  # (B, S, C)
+        return self.output(y)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: BigBirdPegasusConfig):
+        super().__init__()
+        C = cfg.d_model
+        self.self_attn = EncoderSelfAttention(C, cfg.encoder_attention_heads, cfg.use_bias, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(C)
+        self.fc1 = nn.Linear(C, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, C)
+        self.final_layer_norm = nn.LayerNorm(C)
+        self.act = ACTIVATIONS[cfg.activation_function]
+        self.dropout = cfg.dropout
+        self.activation_dropout = cfg.activation_dropout
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, layout: LayoutTensors | None) -> torch.Tensor:
+        h = self.self_attn(self.self_attn_layer_norm(x), key_mask, layout)
+        x = x + F.dropout(h, self.dropout, self.training)
+        h = F.dropout(self.act(self.fc1(self.final_layer_norm(x))), self.activation_dropout, self.training)
+        x = x + F.dropout(self.fc2(h), self.dropout, self.training)
+        return x
+
+
+class DecoderAttention(nn.Module):
+    """Full multi-head attention; self-attention (with a KV cache) or cross-attention."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool, attention_dropout: float):
+        super().__init__()
+        assert d_model % n_heads == 0
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.attention_dropout = attention_dropout
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, _ = x.shape
+        k = self.k_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        v = self.v_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        return k, v
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, C); k, v: (B, H, S, D); allowed: (B, 1 | T, S) bool, True = may attend
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, T, S)
+        scores = scores.masked_fill(~allowed[:, None], _mask_value(scores.dtype))
+        probs = F.dropout(F.softmax(scores, dim=-1), self.attention_dropout, self.training)
+        y = (probs @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.out_proj(y)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: BigBirdPegasusConfig):
+        super().__init__()
+        C, H = cfg.d_model, cfg.decoder_attention_heads
+        self.self_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(C)
+        self.encoder_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout)
+        self.encoder_attn_layer_norm = nn.LayerNorm(C)
+        self.fc1 = nn.Linear(C, cfg.decoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, C)
+        self.final_layer_norm = nn.LayerNorm(C)
+        self.act = ACTIVATIONS[cfg.activation_function]
+        self.dropout = cfg.dropout
+        self.activation_dropout = cfg.activation_dropout
+
+    def forward(self, x, self_allowed, past_kv, cross_kv, cross_allowed):
+        # x: (B, T, C); past_kv: (k, v) each (B, H, P, D) or None; cross_kv: (k, v) each (B, H, S, D)
+        h = self.self_attn_layer_norm(x)
+        k, v = self.self_attn.project_kv(h)  # (B, H, T, D)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)  # (B, H, P+T, D)
+            v = torch.cat([past_kv[1], v], dim=2)
+        x = x + F.dropout(self.self_attn(h, k, v, self_allowed), self.dropout, self.training)
+        h = self.encoder_attn(self.encoder_attn_layer_norm(x), cross_kv[0], cross_kv[1], cross_allowed)
+        x = x + F.dropout(h, self.dropout, self.training)
+        h = F.dropout(self.act(self.fc1(self.final_layer_norm(x))), self.activation_dropout, self.training)
+        x = x + F.dropout(self.fc2(h), self.dropout, self.training)
+        return x, (k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class BigBirdPegasusConfig:
+    """The fields of a Hugging Face `config.json` with model_type "bigbird_pegasus" (defaults are
+    transformers' defaults). Keys we do not model are kept in `extra` and written back by
+    `to_dict`, so a round trip loses nothing."""
+
+    vocab_size: int = 96103
+    max_position_embeddings: int = 4096
+    encoder_layers: int = 16
+    encoder_ffn_dim: int = 4096
+    encoder_attention_heads: int = 16
+    decoder_layers: int = 16
+    decoder_ffn_dim: int = 4096
+    decoder_attention_heads: int = 16
+    encoder_layerdrop: float = 0.0
+    decoder_layerdrop: float = 0.0
+    activation_function: str = "gelu_new"
+    d_model: int = 1024
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    init_std: float = 0.02
+    scale_embedding: bool = True
+    use_bias: bool = False
+    attention_type: str = "block_sparse"  # encoder only: "block_sparse" | "original_full"
+    block_size: int = 64
+    num_random_blocks: int = 3
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
+    decoder_start_token_id: int = 2
+    # generation defaults some checkpoints carry (None = not set)
+    max_length: int | None = None
+    min_length: int | None = None
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    early_stopping: bool | str | None = None
+    forced_eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    model_type = "bigbird_pegasus"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BigBirdPegasusConfig:
+        if d.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        # transformers' aliases (attribute_map) for a few fields
+        aliases = {"hidden_size": "d_model", "num_attention_heads": "encoder_attention_heads",
+                   "num_hidden_layers": "encoder_layers", "attention_probs_dropout_prob": "attention_dropout"}
+        kwargs, extra = {}, {}
+        for key, value in d.items():
+            key2 = aliases.get(key, key)
+            if key2 in known:
+                kwargs[key2] = value
+            elif key != "model_type":
+                extra[key] = value
+        cfg = cls(**kwargs, extra=extra)
+        if cfg.attention_type not in ("block_sparse", "original_full"):
+            raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {cfg.attention_type!r}")
+        if cfg.activation_function not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation_function {cfg.activation_function!r}")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d = {k: v for k, v in d.items() if v is not None or k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+        d.update({"architectures": ["BigBirdPegasusForConditionalGeneration"], "is_encoder_decoder": True})
+        d.update(extra)
+        d["model_type"] = self.model_type
+        return d
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+
+def attention_spec_from_config(cfg: BigBirdPegasusConfig, plan: str = "hf-train"):
+    """The encoder's AttentionSpec: BigBird ITC (first and last block global, 3-block window,
+    r random blocks), as the checkpoints were trained."""
+    from model.layout import AttentionSpec
+
+    return AttentionSpec(pattern="bigbird", block_size=cfg.block_size, num_random_blocks=cfg.num_random_blocks,
+                         num_global_blocks=1, window_blocks=3, plan=plan,
+                         max_position_embeddings=cfg.max_position_embeddings)
+
+
+# ----------------------------------------------------------------------------------------------
+# encoder and decoder stacks
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding times sqrt(d_model) when the config says scale_embedding."""
+
+    def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None, scale: float):
+        super().__init__(vocab_size, d_model, padding_idx)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
+class BigBirdPegasusEncoder(nn.Module):
+    def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens  # shared with model.shared (same module)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
+        self.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
+        self.layernorm_embedding = nn.LayerNorm(cfg.d_model)
+        self.dropout = cfg.dropout
+        self.layerdrop = cfg.encoder_layerdrop
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                layouts: list[LayoutTensors] | None = None) -> torch.Tensor:
+        """input_ids, attention_mask: (B, S), 1 = real token. With `layouts` (one per layer) S must be
+        a multiple of block_size (pad with pad_token_id / mask 0); without, attention is full.
+        Returns the last hidden state (B, S, C), padding positions included."""
+        B, S = input_ids.shape
+        # Block padding beyond max_position_embeddings reuses the last position: those positions are
+        # masked keys whose outputs are cut off, so their embedding never reaches a real token.
+        positions = torch.arange(S, device=input_ids.device).clamp(max=self.embed_positions.num_embeddings - 1)
+        x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (B, S, C)
+        x = F.dropout(x, self.dropout, self.training)
+        key_mask = attention_mask.to(torch.long)
+        for i, layer in enumerate(self.layers):
+            if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
+                continue
+            x = layer(x, key_mask, None if layouts is None else layouts[i])
+        return self.layernorm_embedding(x)
+
+
+class BigBirdPegasusDecoder(nn.Module):
+    def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens  # shared with model.shared (same module)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)])
+        self.layernorm_embedding = nn.LayerNorm(cfg.d_model)
+        self.dropout = cfg.dropout
+        self.layerdrop = cfg.decoder_layerdrop
+
+    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v), each (B, H, S, D): the cross-attention keys/values, computed once."""
+        return [layer.encoder_attn.project_kv(encoder_hidden_states) for layer in self.layers]
+
+    def forward(self, input_ids, position_ids, self_attention_mask, cross_kv, encoder_attention_mask,
+                past_kv=None):
+        """One decoder pass over T new tokens.
+
+        input_ids, position_ids: (B, T); self_attention_mask: (B, P+T), 1 = that past/current position
+        may be attended (a causal rule is added for the T current positions: current token i sees
+        past+current positions j <= P + i); cross_kv: per layer (k, v) each (B, H, S, D);
+        encoder_attention_mask: (B, S), 1 = real encoder token; past_kv: per layer (k, v) each
+        (B, H, P, D) or None (P = 0). Returns hidden (B, T, C) and per layer the present (k, v)
+        each (B, H, P+T, D).
+        """
+        B, T = input_ids.shape
+        P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # (B, T, C)
+        x = F.dropout(x, self.dropout, self.training)
+        key_pos = torch.arange(P + T, device=input_ids.device)  # (P+T,)
+        query_pos = P + torch.arange(T, device=input_ids.device)  # (T,)
+        causal = key_pos[None, :] <= query_pos[:, None]  # (T, P+T)
+        self_allowed = causal[None] & self_attention_mask.bool()[:, None, :]  # (B, T, P+T)
+        cross_allowed = encoder_attention_mask.bool()[:, None, :]  # (B, 1, S)
+        present = []
+        for i, layer in enumerate(self.layers):
+            if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
+                present.append(None if past_kv is None else past_kv[i])
+                continue
+            x, kv = layer(x, self_allowed, None if past_kv is None else past_kv[i], cross_kv[i], cross_allowed)
+            present.append(kv)
+        return self.layernorm_embedding(x), present
+
+
+class BigBirdPegasusModel(nn.Module):
+    def __init__(self, cfg: BigBirdPegasusConfig):
+        super().__init__()
+        scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        self.shared = ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_token_id, scale)
+        self.encoder = BigBirdPegasusEncoder(cfg, self.shared)
+        self.decoder = BigBirdPegasusDecoder(cfg, self.shared)
+
+
+# ----------------------------------------------------------------------------------------------
+# the full model
+
+
+@dataclass
+class EncoderOutput:
+    last_hidden_state: torch.Tensor  # (B, L, C)
+
+
+@dataclass
+class Seq2SeqLMOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None = None
+    encoder_last_hidden_state: torch.Tensor | None = None  # (B, L, C)
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher forcing: decoder input = [start] + labels[:-1]; label -100 (ignored) becomes pad."""
+    shifted = torch.full_like(labels, decoder_start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+class BigBirdPegasusForConditionalGeneration(nn.Module):
+    # state_dict key -> the key it is an alias of (same tensor); checkpoints may omit the aliases
+    TIED_WEIGHTS = {
+        "model.encoder.embed_tokens.weight": "model.shared.weight",
+        "model.decoder.embed_tokens.weight": "model.shared.weight",
+        "lm_head.weight": "model.shared.weight",  # only when config.tie_word_embeddings
+    }
+    # keys a checkpoint may lack (transformers also tolerates a missing bias; it is zeros)
+    OPTIONAL_KEYS = ("final_logits_bias",)
+
+    def __init__(self, config: BigBirdPegasusConfig, attention_spec=None):
+        super().__init__()
+        self.config = config
+        self.model = BigBirdPegasusModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.shared.weight
+        self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
+        self.attention_spec = attention_spec if attention_spec is not None else attention_spec_from_config(config)
+        self._layout_cache: dict[int, list[LayoutTensors]] = {}
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+
+    def tied_weights(self) -> dict[str, str]:
+        """The aliases that exist in this instance (lm_head only when tied)."""
+        tied = dict(self.TIED_WEIGHTS)
+        if not self.config.tie_word_embeddings:
+            del tied["lm_head.weight"]
+        return tied
+
+    # ---- encoder
+
+    def layouts_for(self, padded_len: int) -> list[LayoutTensors]:
+        """Per-layer layout tensors for a padded length (cached; layouts are deterministic)."""
+        cfg = self.config
+        n_blocks = padded_len // cfg.block_size
+        if n_blocks not in self._layout_cache:
+            from model.attention import layout_tensors
+            from model.layout import build_layout
+
+            self._layout_cache[n_blocks] = [
+                layout_tensors(build_layout(self.attention_spec, n_blocks, cfg.encoder_attention_heads, layer))
+                for layer in range(cfg.encoder_layers)
+            ]
+        return self._layout_cache[n_blocks]
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> EncoderOutput:
+        """input_ids, attention_mask: (B, L) -> EncoderOutput(last_hidden_state (B, L, C)).
+        Decides full vs block-sparse attention and the block padding from the length (model.lengths),
+        pads with pad_token_id / mask 0, runs the encoder and cuts the padding off again."""
+        from model.lengths import plan_length
+
+        cfg = self.config
+        B, L = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        plan = plan_length(L, cfg.block_size, cfg.num_random_blocks, cfg.attention_type)
+        if plan.attention == "full":
+            h = self.model.encoder(input_ids, attention_mask, None)
+            return EncoderOutput(last_hidden_state=h)
+        pad = plan.padded_len - L
+        ids = F.pad(input_ids, (0, pad), value=cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        mask = F.pad(attention_mask.to(torch.long), (0, pad), value=0)
+        layouts = [type(lay)(*(t.to(input_ids.device) for t in lay)) for lay in self.layouts_for(plan.padded_len)]
+        h = self.model.encoder(ids, mask, layouts)  # (B, padded_len, C)
+        return EncoderOutput(last_hidden_state=h[:, :L])
+
+    # ---- decoder
+
+    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.model.decoder.cross_attention_kv(encoder_hidden_states)
+
+    def decoder_step(self, input_ids, position_ids, self_attention_mask, cross_kv, encoder_attention_mask,
+                     past_kv=None):
+        """Logits for T new decoder tokens and the updated self-attention cache.
+
+        input_ids, position_ids: (B, T) long; self_attention_mask: (B, P+T), 1 = attend (causal
+        within the T new tokens is added); cross_kv: from `cross_attention_kv`, per layer (k, v)
+        each (B, H, S, D); encoder_attention_mask: (B, S); past_kv: per layer (k, v) each
+        (B, H, P, D), or None when P = 0.
+        Returns logits (B, T, V) and present_kv: per layer (k, v) each (B, H, P+T, D).
+        """
+        h, present = self.model.decoder(input_ids, position_ids, self_attention_mask, cross_kv,
+                                        encoder_attention_mask, past_kv)
+        logits = self.lm_head(h) + self.final_logits_bias  # (B, T, V)
+        return logits, present
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, encoder_outputs: EncoderOutput | None = None) -> Seq2SeqLMOutput:
+        """A full (non-cached) pass, as transformers' forward: decoder_input_ids default to
+        labels shifted right, else to input_ids shifted right. Loss = mean cross-entropy over
+        labels != -100."""
+        cfg = self.config
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if decoder_input_ids is None:
+            source = labels if labels is not None else input_ids
+            decoder_input_ids = shift_tokens_right(source, cfg.pad_token_id, cfg.decoder_start_token_id)
+        if encoder_outputs is None:
+            encoder_outputs = self.encode(input_ids, attention_mask)
+        enc = encoder_outputs.last_hidden_state
+        B, T = decoder_input_ids.shape
+        if decoder_attention_mask is None:
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+        positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
+        logits, _ = self.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
+                                      self.cross_attention_kv(enc), attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Greedy or beam search; see model.generation.generate for the arguments. Returns a
+        LongTensor (B, T) that starts with decoder_start_token_id, as transformers does."""
+        from model.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)

@@ -266,7 +266,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     Returns a LongTensor (B, T) starting with decoder_start_token_id.
     """
     cfg = model.config
-    pick = lambda given, from_cfg, default: given if given is not None else (from_cfg if from_cfg is not None else default)  # noqa: E731
+
+    def pick(given, from_config, default):
+        return given if given is not None else (from_config if from_config is not None else default)
+
     eos = _ids(eos_token_id if eos_token_id is not None else cfg.eos_token_id)
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     if attention_mask is None:

@@ -96,6 +96,7 @@ def test_encoder_and_decoder_match_transformers(tmp_path, attention_type, block_
     hf, ours = hf_and_ours(tmp_path, "hf-train" if mode == "train" else "hf-eval",
                            attention_type=attention_type, block_size=block_size, num_random_blocks=r)
     hf.train(mode == "train")
+    ours.train(mode == "train")  # every dropout is 0: train mode must give the same numbers
     ids, mask = batch(2, L, pad_last=pad_last)
     dec, _ = batch(2, 7, seed=2)
     a = run_hf(hf, attention_type, input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
@@ -134,15 +135,18 @@ def test_legacy_length_1024_train_plan(tmp_path):
     assert (a.logits - b.logits).abs().max() <= TOL
 
 
-def test_labels_loss_matches_transformers(tmp_path):
+def test_labels_loss_and_decoder_mask_match_transformers(tmp_path):
     hf, ours = hf_and_ours(tmp_path, "hf-eval", attention_type="original_full")
     hf.eval()
     ids, mask = batch(2, 40, pad_last=5)
     labels, _ = batch(2, 6, seed=3)
     labels[1, 4:] = -100
-    a = run_hf(hf, "original_full", input_ids=ids, attention_mask=mask, labels=labels)
+    dec_mask = torch.ones_like(labels)
+    dec_mask[1, 4:] = 0  # right padding
+    dec_mask[0, :2] = 0  # left padding: the first query row sees nothing
+    a = run_hf(hf, "original_full", input_ids=ids, attention_mask=mask, labels=labels, decoder_attention_mask=dec_mask)
     with torch.no_grad():
-        b = ours(ids, mask, labels=labels)
+        b = ours(ids, mask, labels=labels, decoder_attention_mask=dec_mask)
     assert abs(a.loss.item() - b.loss.item()) <= TOL
     assert (a.logits - b.logits).abs().max() <= TOL
 

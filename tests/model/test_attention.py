@@ -1,12 +1,14 @@
 """Block-sparse attention: equals the dense oracle for every pattern, and transformers' BigBird."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.attention import MASK_PENALTY, block_sparse_attention, dense_reference_attention, layout_tensors
+from model.attention import MASK_PENALTY, LayoutTensors, block_sparse_attention, dense_reference_attention, layout_tensors
 from model.layout import PATTERNS, AttentionSpec, build_layout
 
 torch.set_num_threads(1)
@@ -134,3 +136,37 @@ def test_pegasus_copy_matches_too():
     lt = layout_tensors(build_layout(AttentionSpec("bigbird", bs, num_random_blocks=r, plan="hf-train"), S // bs, H, layer))
     out = block_sparse_attention(q, k, v, lt, mask).transpose(1, 2).reshape(ref.shape)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+class _Exportable(torch.nn.Module):
+    """block_sparse_attention with the layout as plain tensor inputs."""
+
+    def forward(self, q, k, v, key_blocks, valid, global_index, row_source, key_mask):
+        lt = LayoutTensors(key_blocks, valid, row_source >= key_blocks.shape[1], global_index, row_source)
+        return block_sparse_attention(q, k, v, lt, key_mask)
+
+
+def test_exports_to_onnx_with_layout_as_inputs(tmp_path):
+    # no data-dependent control flow: one trace serves every n_blocks (and a TracerWarning,
+    # an error here, would mean a value got baked in)
+    import onnxruntime as ort
+
+    names = ["q", "k", "v", "key_blocks", "valid", "global_index", "row_source", "key_mask"]
+
+    def inputs(nb, bs=4, H=2, D=8, B=2):
+        lt = layout_tensors(build_layout(AttentionSpec("bigbird", bs, 2, plan="hf-train"), nb, H, 1))
+        q, k, v = _qkv(B, H, nb * bs, D, nb)
+        key_mask = torch.ones(B, nb * bs)
+        key_mask[1, -5:] = 0
+        return (q, k, v, lt.key_blocks, lt.valid, lt.global_index, lt.row_source, key_mask)
+
+    path = tmp_path / "attention.onnx"
+    dynamic = {"q": {2: "S"}, "k": {2: "S"}, "v": {2: "S"}, "key_blocks": {1: "nb"}, "valid": {1: "nb"}, "row_source": {0: "nb"}, "key_mask": {1: "S"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's own notice
+        torch.onnx.export(_Exportable(), inputs(12), str(path), input_names=names, output_names=["out"], dynamic_axes=dynamic, opset_version=17, dynamo=False)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for nb in (12, 21):
+        args = inputs(nb)
+        (got,) = session.run(None, {n: a.numpy() for n, a in zip(names, args)})
+        np.testing.assert_allclose(got, _Exportable()(*args).numpy(), atol=1e-5)

@@ -429,7 +429,7 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
             self.lm_head.weight = self.model.shared.weight
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
         self.attention_spec = attention_spec if attention_spec is not None else attention_spec_from_config(config)
-        self._layout_cache: dict[int, list[LayoutTensors]] = {}
+        self._layout_cache: dict[tuple, list[LayoutTensors]] = {}
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module) -> None:
@@ -454,18 +454,19 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
     # ---- encoder
 
     def layouts_for(self, padded_len: int) -> list[LayoutTensors]:
-        """Per-layer layout tensors for a padded length (cached; layouts are deterministic)."""
-        cfg = self.config
-        n_blocks = padded_len // cfg.block_size
-        if n_blocks not in self._layout_cache:
-            from model.attention import layout_tensors
-            from model.layout import build_layout
+        """Per-layer layout tensors for a padded length (cached by spec and length: layouts are
+        deterministic in both)."""
+        from model.attention import layout_tensors
+        from model.layout import build_layout
 
-            self._layout_cache[n_blocks] = [
-                layout_tensors(build_layout(self.attention_spec, n_blocks, cfg.encoder_attention_heads, layer))
+        cfg = self.config
+        key = (self.attention_spec, padded_len // cfg.block_size)
+        if key not in self._layout_cache:
+            self._layout_cache[key] = [
+                layout_tensors(build_layout(self.attention_spec, key[1], cfg.encoder_attention_heads, layer))
                 for layer in range(cfg.encoder_layers)
             ]
-        return self._layout_cache[n_blocks]
+        return self._layout_cache[key]
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> EncoderOutput:
         """input_ids, attention_mask: (B, L) -> EncoderOutput(last_hidden_state (B, L, C)).

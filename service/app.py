@@ -332,10 +332,12 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             try:
                 response, model, n_tokens = task.result()
             except ServiceError as exc:
+                state.cancelled = True  # whatever of this request is still queued is dropped
                 m.failures.labels(endpoint, exc.reason).inc()
                 response = _error(exc)
                 model, n_tokens = None, 0
             except Exception:
+                state.cancelled = True
                 log.exception("%s failed", endpoint)
                 m.failures.labels(endpoint, "internal").inc()
                 return _error(ServiceError("internal error"))
@@ -510,3 +512,8 @@ async def _sse(it, first, tokenizer, usage: dict, service: Service, model: Serve
     except ServiceError as exc:
         service.metrics.failures.labels("summarize", exc.reason).inc()
         yield f"event: error\ndata: {json.dumps({'error': {'type': exc.type, 'message': exc.message}})}\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
+        service.metrics.failures.labels("summarize", "cancelled").inc()
+        raise
+    finally:
+        await it.aclose()  # leaves the decoding batch at the next step

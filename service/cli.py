@@ -55,8 +55,6 @@ def build_settings(args: argparse.Namespace):
         "shutdown_grace_s": args.shutdown_grace_s,
     }
     overrides = {k: v for k, v in flags.items() if v is not None}
-    if args.model:
-        overrides["models"] = parse_model_flags(args.model)
     if args.device:
         overrides["devices"] = args.device
     if args.no_batching:
@@ -64,6 +62,8 @@ def build_settings(args: argparse.Namespace):
     if args.no_warmup:
         overrides["warmup"] = False
     settings = Settings(**overrides)  # flags win over LONGDOC_* variables
+    if args.model:  # replace, not merge with, LONGDOC_MODELS (pydantic-settings merges dicts)
+        settings = settings.model_copy(update={"models": parse_model_flags(args.model)})
     if not settings.models:
         settings = settings.model_copy(update={"models": default_model_dirs()})
     return settings
@@ -71,6 +71,7 @@ def build_settings(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     import logging
+    import signal
 
     import uvicorn
 
@@ -88,5 +89,11 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
     server = Server(config)
-    server.run()
+    # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0 if server.started else 1

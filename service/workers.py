@@ -76,13 +76,23 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
     max_new = 256
     if m.decoder:
         max_new = int(m.decoder.get("max_positions", 256)) - 1
+    special = dict(m.special_tokens)
+    tok = model.tokenizer
+    # the manifest copies ids from config.json, which for BigBird names no [CLS]: ask the tokenizer
+    for key, names in (("cls", ("[CLS]", "<s>")), ("sep", ("[SEP]", "</s>")), ("pad", ("[PAD]", "<pad>")),
+                       ("eos", ("</s>", "[SEP]"))):
+        for token in names:
+            if special.get(key) is None and tok.token_to_id(token) is not None:
+                special[key] = tok.token_to_id(token)
+    if special.get("decoder_start") is None:
+        special["decoder_start"] = special.get("pad") or 0
     return ModelInfo(
         name=name,
         task=m.task,
         max_length=m.max_length,
         block_size=m.block_size,
-        tokenizer=model.tokenizer,
-        special_tokens=dict(m.special_tokens),
+        tokenizer=tok,
+        special_tokens=special,
         labels=tuple(m.labels) if m.labels else None,
         plan=str(m.attention.get("plan", "")),
         attention=dict(m.attention),
@@ -188,8 +198,14 @@ class OnnxWorker:
             ids, np.ones_like(ids), max_new_tokens=params.max_new_tokens, num_beams=params.num_beams,
             length_penalty=params.length_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
         )
-        eos = self.info.special_tokens.get("eos")
-        return [int(t) for t in out[0] if t != eos]
+        sp = self.info.special_tokens
+        tokens = []
+        for t in list(out[0])[1:]:  # generate() starts with decoder_start
+            if t == sp.get("eos"):
+                break
+            if t != sp.get("pad"):
+                tokens.append(int(t))
+        return tokens
 
     def close(self) -> None:
         self.model = None

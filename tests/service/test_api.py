@@ -284,3 +284,34 @@ def test_batching_off_runs_one_by_one():
     assert all(r.status_code == 200 for r in run(go()))
     qa = [w for w in factory.made if w.info.task == "qa"][0]
     assert {shape[0] for shape in qa.batches} == {1}
+
+
+def test_draining_is_not_ready_and_refuses_new_work():
+    async def go():
+        async with running_app() as c:
+            c.app.state.service.draining = True  # what SIGTERM does first (service/cli.py)
+            return await c.get("/readyz"), await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+
+    ready, post = run(go())
+    assert ready.status_code == 503 and "shutting down" in ready.json()["error"]["message"]
+    assert post.status_code == 503
+
+
+def test_settings_from_environment_and_flags(monkeypatch):
+    import argparse
+
+    from service import cli
+
+    monkeypatch.setenv("LONGDOC_MAX_BATCH_TOKENS", "1234")
+    monkeypatch.setenv("LONGDOC_MODELS", '{"a": "/x"}')
+    monkeypatch.setenv("LONGDOC_PORT", "9000")
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    s = cli.build_settings(parser.parse_args(["serve", "--port", "9001", "--device", "cpu", "--no-batching"]))
+    assert (s.max_batch_tokens, s.port, s.batching, str(s.models["a"])) == (1234, 9001, False, "/x")
+    s = cli.build_settings(parser.parse_args(["serve", "--model", "q=/m1", "--model", "c=/m2"]))
+    assert list(s.models) == ["q", "c"]
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        cli.build_settings(parser.parse_args(["serve", "--model", "nodir"]))
+    with pytest.raises(ValueError, match="cuda:N"):
+        cli.build_settings(parser.parse_args(["serve", "--model", "q=/m", "--device", "gpu7"]))

@@ -1,0 +1,283 @@
+"""End to end: real ONNX Runtime sessions on the tiny exported models (tests/conftest.py),
+behind a real uvicorn on a loopback port, driven over HTTP. The tiny models are random, so
+answers are checked against the same model run offline (one window or sequence at a time),
+which is what batching, padding, windows and iteration-level decoding must not change."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from service.app import create_app
+from service.settings import Settings
+from service.windows import best_spans, pool_logits, qa_windows
+
+WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
+         "find food for the children of the city").split()
+
+
+def text_of(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
+
+    def __init__(self, settings: Settings):
+        self.app = create_app(settings)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
+    settings = Settings(models={"qa": tiny_qa_dir, "cls": tiny_classify_dir, "sum": tiny_summarize_dir},
+                        threads=1, max_wait_ms=5, qa_stride=100)
+    with ThreadServer(settings) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
+    from export.runtime import OnnxModel
+
+    return {"qa": OnnxModel(tiny_qa_dir, threads=1), "cls": OnnxModel(tiny_classify_dir, threads=1),
+            "sum": OnnxModel(tiny_summarize_dir, threads=1)}
+
+
+def special(model, key, token):
+    return model.manifest.special_tokens.get(key) or model.tokenizer.token_to_id(token)
+
+
+def test_ready_and_models(server):
+    r = httpx.get(server.url + "/readyz")
+    assert r.status_code == 200
+    models = {m["name"]: m for m in httpx.get(server.url + "/v1/models").json()["models"]}
+    assert models["qa"]["max_length"] == 512 and models["qa"]["block_size"] == 16
+    assert models["cls"]["labels"] == ["negative", "neutral", "positive"]
+
+
+def test_qa_across_window_boundaries_matches_offline(server, offline):
+    question = "where is the gold"
+    docs = [text_of(1300, seed=1), text_of(200, seed=2)]  # several windows (block-sparse) + one short
+    r = httpx.post(server.url + "/v1/qa", json={"question": question, "documents": docs, "top_k": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    m = offline["qa"]
+    q = m.tokenizer.encode(question, add_special_tokens=False).ids
+    for doc, result in zip(docs, r.json()["results"]):
+        enc = m.tokenizer.encode(doc, add_special_tokens=False)
+        windows = qa_windows(q, enc.ids, 512, 100, special(m, "cls", "[CLS]"), special(m, "sep", "[SEP]"))
+        starts, ends = [], []
+        for w in windows:  # one window at a time, no batch padding
+            out = m.run_encoder(np.array([w.input_ids]), np.ones((1, len(w.input_ids)), np.int64),
+                                np.array([w.token_type_ids]))
+            starts.append(out["start_logits"][0])
+            ends.append(out["end_logits"][0])
+        expected = best_spans(windows, starts, ends, enc.offsets, top_k=3, max_answer_tokens=30)
+        got = result["answers"]
+        assert result["usage"]["windows"] == len(windows)
+        assert [(a["start"], a["end"]) for a in got] == [(s.start, s.end) for s in expected]
+        assert np.allclose([a["score"] for a in got], [s.score for s in expected], atol=1e-4)
+        for a in got:
+            assert doc[a["start"] : a["end"]] == a["text"]
+    assert len(windows) == 1 and r.json()["results"][0]["usage"]["windows"] > 3
+
+
+def test_classification_matches_offline_mean_pooling(server, offline):
+    doc = text_of(1100, seed=3)
+    r = httpx.post(server.url + "/v1/classify", json={"document": doc}, timeout=60)
+    assert r.status_code == 200, r.text
+    m = offline["cls"]
+    ids = m.tokenizer.encode(doc, add_special_tokens=False).ids
+    cls, sep = special(m, "cls", "[CLS]"), special(m, "sep", "[SEP]")
+    logits = [m.run_encoder(np.array([[cls, *ids[a : a + 510], sep]]))["logits"][0] for a in range(0, len(ids), 510)]
+    probs = pool_logits(logits)
+    got = {x["label"]: x["score"] for x in r.json()["results"][0]["labels"]}
+    assert r.json()["results"][0]["usage"]["windows"] == 3
+    assert np.allclose([got[k] for k in ("negative", "neutral", "positive")], probs, atol=1e-5)
+
+
+def greedy_offline(model, doc: str, max_new: int) -> list[int]:
+    ids = model.tokenizer.encode(doc, add_special_tokens=False).ids[:511] + [special(model, "eos", "</s>")]
+    out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=max_new)[0][1:]
+    eos = special(model, "eos", "</s>")
+    return list(out[: out.index(eos)] if eos in out else out)
+
+
+def test_summarize_streaming_and_joining_match_offline_greedy(server, offline):
+    docs = [text_of(300, seed=4), text_of(40, seed=5), text_of(700, seed=6)]  # the last is truncated
+    results = {}
+
+    def stream(i):
+        events = []
+        with httpx.stream("POST", server.url + "/v1/summarize",
+                          json={"document": docs[i], "stream": True, "max_new_tokens": 40}, timeout=60) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+        results[i] = events
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for i, t in enumerate(threads):  # staggered: later requests join a running decode batch
+        t.start()
+        time.sleep(0.02 * i)
+    for t in threads:
+        t.join(60)
+    for i, doc in enumerate(docs):
+        events = results[i]
+        tokens = [d["id"] for name, d in events if name == "token"]
+        assert events[-1][0] == "done"
+        final = events[-1][1]["results"][0]
+        assert tokens == greedy_offline(offline["sum"], doc, 40), i
+        assert final["generated_tokens"] == len(tokens)
+        assert final["usage"]["truncated"] == (i == 2)
+        assert "".join(d["text"] for name, d in events if name == "token") == final["summary"]
+
+
+def test_summarize_beam_search(server, offline):
+    doc = text_of(60, seed=7)
+    r = httpx.post(server.url + "/v1/summarize", json={"document": doc, "num_beams": 3, "max_new_tokens": 12},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    m = offline["sum"]
+    ids = m.tokenizer.encode(doc, add_special_tokens=False).ids + [special(m, "eos", "</s>")]
+    out = m.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=12, num_beams=3)[0][1:]
+    eos = special(m, "eos", "</s>")
+    out = out[: out.index(eos)] if eos in out else out
+    assert r.json()["results"][0]["generated_tokens"] == len([t for t in out if t != 0])
+
+
+def test_deadline_gives_504(server):
+    r = httpx.post(server.url + "/v1/qa", json={"question": "where", "document": text_of(3000), "timeout": 0.001},
+                   timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def metric(url: str, line_start: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_disconnect_stops_decoding(server):
+    key = 'longdoc_request_failures_total{endpoint="summarize",reason="cancelled"}'
+    before_cancelled = metric(server.url, key)
+    before_tokens = metric(server.url, 'longdoc_generated_tokens_total{model="sum"}')
+    with httpx.stream("POST", server.url + "/v1/summarize",
+                      json={"document": text_of(400, seed=8), "stream": True, "max_new_tokens": 500,
+                            "no_repeat_ngram_size": 0}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one token, then hang up
+    deadline = time.monotonic() + 10
+    while metric(server.url, key) == before_cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server.url, key) == before_cancelled + 1
+    time.sleep(0.2)
+    generated = metric(server.url, 'longdoc_generated_tokens_total{model="sum"}') - before_tokens
+    assert generated < 500  # stopped early, not decoded to the end
+
+
+def test_flood_gets_429_and_others_still_served(tiny_qa_dir):
+    settings = Settings(models={"qa": tiny_qa_dir}, threads=1, max_queue_tokens=3000, max_batch_size=2,
+                        warmup=False)
+    with ThreadServer(settings) as s:
+        doc = text_of(1500, seed=9)
+
+        def post(_):
+            return httpx.post(s.url + "/v1/qa", json={"question": "where", "document": doc}, timeout=60)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(post, range(16)))
+        codes = [r.status_code for r in responses]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        rejected = [r for r in responses if r.status_code == 429][0]
+        assert int(rejected.headers["retry-after"]) >= 1
+        assert metric(s.url, 'longdoc_request_failures_total{endpoint="qa",reason="overloaded"}') >= 1
+        assert post(0).status_code == 200  # served again once the flood is over
+
+
+def test_sigterm_drains_in_flight_work_then_exits(tiny_summarize_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    env = dict(os.environ, LONGDOC_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--model", f"sum={tiny_summarize_dir}",
+         "--no-warmup", "--shutdown-grace-s", "20", "--log-level", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        box = {}
+
+        def slow():
+            box["r"] = httpx.post(url + "/v1/summarize", json={"documents": [text_of(500, seed=s) for s in range(4)],
+                                                               "max_new_tokens": 300}, timeout=60)
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(0.3)  # in flight now
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(httpx.TransportError):  # no longer accepting
+            httpx.get(url + "/livez", timeout=2)
+        t.join(60)
+        assert box["r"].status_code == 200, box["r"].text
+        assert all(x["generated_tokens"] > 0 for x in box["r"].json()["results"])
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -138,3 +138,50 @@ def test_forward_blocks_equals_forward(hf_checkpoint, arch):
     assert len(blocks) == len(ours.export_output_names)
     for name, tensor in zip(ours.export_output_names, blocks):
         assert torch.equal(tensor, getattr(out, name)), name
+
+
+def test_forward_blocks_exports_to_onnx_with_dynamic_length(hf_checkpoint, tmp_path):
+    """One trace of the QA export entry point serves other lengths (layout as graph inputs)."""
+    import warnings
+
+    import onnxruntime as ort
+
+    ckpt = hf_checkpoint("BigBirdForQuestionAnswering", block_size=16, num_random_blocks=2)
+    ours = load_pretrained(ckpt.directory, plan="hf-train")
+
+    class Exportable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qa = ours
+
+        def forward(self, input_ids, attention_mask, key_blocks, valid, global_index, row_source):
+            return self.qa.forward_blocks(input_ids, attention_mask, None, key_blocks, valid, global_index, row_source)
+
+    names = ["input_ids", "attention_mask", "key_blocks", "valid", "global_index", "row_source"]
+
+    def inputs(length):
+        ids, mask = random_batch(2, length, seed=length, pad_tail=7)
+        ids[:, 6] = SEP
+        lay = ours.stacked_layouts(length // 16)
+        return (ids, mask, lay["key_blocks"], lay["valid"], lay["global_index"], lay["row_source"])
+
+    dynamic = {"input_ids": {0: "B", 1: "S"}, "attention_mask": {0: "B", 1: "S"}, "key_blocks": {2: "nb"},
+               "valid": {2: "nb"}, "row_source": {1: "nb"}, "start_logits": {0: "B", 1: "S"}, "end_logits": {0: "B", 1: "S"}}
+    path = tmp_path / "qa.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's own notice
+        # (export restores the wrapper's train/eval mode recursively: keep the wrapper in eval)
+        torch.onnx.export(Exportable().eval(), inputs(160), str(path), input_names=names,
+                          output_names=list(ours.export_output_names), dynamic_axes=dynamic, opset_version=17, dynamo=False)
+    assert not ours.training
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    graph_inputs = {i.name for i in session.get_inputs()}
+    for length in (160, 400):
+        args = inputs(length)
+        got = session.run(None, {n: a.numpy() for n, a in zip(names, args) if n in graph_inputs})
+        with torch.no_grad():
+            want = ours(args[0], attention_mask=args[1])
+        for name, g in zip(ours.export_output_names, got):
+            w = getattr(want, name)
+            keep = (w > -1e5) & args[1].bool()
+            assert (torch.from_numpy(g)[keep] - w[keep]).abs().max().item() <= 1e-5, (length, name)

@@ -51,6 +51,8 @@ def add_commands(subparsers) -> None:
                    help="qa: contexts longer than max-length become overlapping windows, or are cut")
     p.add_argument("--doc-stride", type=int, default=256, help="qa windows: context tokens between window starts")
     p.add_argument("--max-question-length", type=int, default=64)
+    p.add_argument("--qa-negative-windows", type=float, default=1.0,
+                   help="qa windows: share of windows without the answer that is kept (0: only answer windows)")
     p.add_argument("--labels", default=None, help="classify: comma-separated label names (default: from the data)")
     p.add_argument("--dropout", type=float, default=None, help="override the config's dropout probabilities")
     p.add_argument("--quiet", action="store_true")
@@ -104,6 +106,7 @@ def _train(args) -> int:
         qa_long_context=args.qa_long_context,
         doc_stride=args.doc_stride,
         max_question_length=args.max_question_length,
+        qa_negative_windows=args.qa_negative_windows,
         labels=[s.strip() for s in args.labels.split(",")] if args.labels else None,
         dropout=args.dropout,
         quiet=args.quiet,

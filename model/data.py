@@ -216,6 +216,8 @@ def qa_features(
     long_context: str = "window",
     doc_stride: int = 256,
     max_question_length: int = 64,
+    negative_windows: float = 1.0,
+    seed: int = 0,
 ) -> list[dict]:
     """[CLS] question [SEP] context [SEP] with the first answer as token start/end positions.
 
@@ -223,11 +225,14 @@ def qa_features(
     windows (`long_context="window"`, successive windows start `doc_stride` context tokens
     apart) or truncated to its first window (`"truncate"`). A window that does not hold the
     whole answer, and a record with no answers, is labelled with the [CLS] position (0, 0):
-    "no answer here", as in BERT/BigBird SQuAD fine-tuning.
+    "no answer here", as in BERT/BigBird SQuAD fine-tuning. `negative_windows` is the share of
+    those answer-less windows of answerable records that is kept (seeded draw; 1.0 keeps all,
+    as transformers' SQuAD scripts do; 0.0 keeps only windows that hold the answer).
     """
     special.require("cls", "sep")
     if long_context not in ("window", "truncate"):
         raise ValueError(f"long_context must be 'window' or 'truncate', got {long_context!r}")
+    rng = random.Random(seed)
     features = []
     for record in records:
         question = _encode(tokenizer, record.fields["question"]).ids[:max_question_length]
@@ -257,6 +262,8 @@ def qa_features(
             start = end = 0
             if span is not None and w <= span[0] and span[1] < w + len(ids):
                 start, end = span[0] - w + offset, span[1] - w + offset
+            elif span is not None and len(window_starts) > 1 and rng.random() >= negative_windows:
+                continue
             input_ids = [special.cls, *question, special.sep, *ids, special.sep]
             token_type_ids = [0] * offset + [1] * (len(ids) + 1)
             features.append(

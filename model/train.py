@@ -97,6 +97,7 @@ class TrainConfig:
     qa_long_context: str = "window"  # "window" | "truncate" (see model.data.qa_features)
     doc_stride: int = 256
     max_question_length: int = 64
+    qa_negative_windows: float = 1.0  # share of answer-less windows kept (see model.data.qa_features)
     labels: list[str] | None = None  # classify: label names (default: the model's, else the data's)
     dropout: float | None = None  # override the config's dropout probabilities
     quiet: bool = False
@@ -429,6 +430,8 @@ class Trainer:
                 long_context=cfg.qa_long_context,
                 doc_stride=cfg.doc_stride,
                 max_question_length=cfg.max_question_length,
+                negative_windows=cfg.qa_negative_windows,
+                seed=cfg.seed,
             )
         if cfg.task == "classify":
             return D.classify_features(records, tok, special, self.max_length, {n: i for i, n in enumerate(self.labels)})

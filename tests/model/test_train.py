@@ -254,6 +254,8 @@ def test_qa_windows_hold_the_answer(work):
         if f["start_positions"]:
             span = f["input_ids"][f["start_positions"] : f["end_positions"] + 1]
             assert tok.decode(span) == "w39 w38"
+    positives = D.qa_features(records, tok, special, 64, doc_stride=40, negative_windows=0.0)
+    assert positives == holding
     truncated = D.qa_features(records, tok, special, 64, long_context="truncate")
     assert len(truncated) == 1 and truncated[0]["start_positions"] == 0  # answer beyond the first window
 

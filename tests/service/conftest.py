@@ -4,9 +4,13 @@ transport with the app's lifespan running."""
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 
 from service.app import create_app
 from service.settings import Settings
@@ -45,3 +49,33 @@ async def running_app(factory=None, **overrides):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
+
+    def __init__(self, settings: Settings, worker_factory=None):
+        self.app = create_app(settings, worker_factory=worker_factory)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,10 +16,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
-from service.app import create_app
 from service.settings import Settings
+from tests.service.conftest import ThreadServer, free_port
 from service.windows import best_spans, pool_logits, qa_windows
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
@@ -30,36 +28,6 @@ WORDS = ("the river is near the old tree and the gold lies under water where peo
 def text_of(n: int, seed: int = 0) -> str:
     rng = np.random.default_rng(seed)
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ThreadServer:
-    """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
-
-    def __init__(self, settings: Settings):
-        self.app = create_app(settings)
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,8 @@ class BigBirdSelfAttention(nn.Module):
 
     def full_attention(self, q, k, v, key_mask):
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, S, S)
-        att = att + (1.0 - key_mask[:, None, None, :]) * torch.finfo(att.dtype).min
+        # padded keys: a large negative (half the dtype minimum, so fp16 sums stay finite)
+        att = att + (1.0 - key_mask[:, None, None, :]) * (torch.finfo(att.dtype).min / 2)
         att = self.dropout(F.softmax(att, dim=-1))
         return att @ v  # (B, nh, S, hd)
 

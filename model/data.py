@@ -234,9 +234,12 @@ def qa_features(
         raise ValueError(f"long_context must be 'window' or 'truncate', got {long_context!r}")
     rng = random.Random(seed)
     features = []
+    last_context = (None, None)  # questions about one page usually come together: encode it once
     for record in records:
         question = _encode(tokenizer, record.fields["question"]).ids[:max_question_length]
-        context = _encode(tokenizer, record.fields["context"])
+        if last_context[0] != record.fields["context"]:
+            last_context = (record.fields["context"], _encode(tokenizer, record.fields["context"]))
+        context = last_context[1]
         offsets = context.offsets  # (char start, char end) of each context token
         room = max_length - len(question) - 3
         if room < 1:

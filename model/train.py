@@ -363,6 +363,8 @@ class Trainer:
             labels = self._labels(model_config, train_records)
         self.labels = labels
         self.train_features = self._features(train_records)
+        if not self.train_features:
+            raise D.DataError(f"{cfg.train}: no training sequences (every text is empty?)")
         self.eval_features = self._features(eval_records) if eval_records else None
 
         # model

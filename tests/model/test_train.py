@@ -128,12 +128,23 @@ def test_qa_loss_falls(qa_run):
     assert last < 0.5 * first, (first, last)
 
 
-def test_classify_and_summarize_smoke(work, summarize_run):
-    result = run(work, "classify", "classify-out", max_steps=4)
-    config = json.loads((result.output / "config.json").read_text())
+def test_classify_through_the_cli_and_summarize_smoke(work, summarize_run, capsys):
+    from longdoc.cli import main
+
+    out = work / "classify-out"
+    code = main(["train", "--task", "classify", "--model", str(work / "bigbird" / "config.json"),
+                 "--train", str(work / "classify.jsonl"), "--eval", str(work / "classify.jsonl"),
+                 "--output", str(out), "--max-length", "128", "--batch-size", "4", "--grad-accum", "2",
+                 "--max-steps", "3", "--lr", "1e-3", "--log-every", "1", "--labels", "low,high"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "step 3/3" in err and "tok/s" in err and "eval_loss" in err and "batch 4 x 2" in err
+    config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["BigBirdForSequenceClassification"]
-    assert config["id2label"] == {"0": "high", "1": "low"}
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
+    assert config["id2label"] == {"0": "low", "1": "high"}
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["step"] == 3 and summary["labels"] == ["low", "high"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in summary["history"])
     config = json.loads((summarize_run.output / "config.json").read_text())
     assert config["architectures"] == ["BigBirdPegasusForConditionalGeneration"]
     assert len(summarize_run.history) == 6 and all(r["loss"] > 0 for r in summarize_run.history)

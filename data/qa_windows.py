@@ -1,0 +1,77 @@
+"""Cut QA training records down to one window of the page that holds the answer.
+
+    .venv/bin/python -m data.qa_windows data/cache/manpages/qa_train.jsonl \
+        data/cache/manpages/qa_train_w1024.jsonl --max-length 1024
+
+`longdoc train --task qa` on whole pages would cut each page into overlapping windows, most of
+them without the answer (labelled [CLS]); on 2 CPU cores that spends the time budget on
+negatives. Here every record keeps only a window of the page's text of about
+`max_length - question - 3` tokens that holds the whole answer at a random place (seeded), so
+the trainer sees one positive window per question. The answer offsets are rebased onto the
+window. Test files are never windowed: evaluation reads whole pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+
+def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, cache: dict) -> dict | None:
+    context = record["context"]
+    enc = cache.get(id(context))
+    if enc is None:
+        cache.clear()
+        cache[id(context)] = enc = tokenizer.encode(context, add_special_tokens=False)
+    offsets = enc.offsets
+    question_tokens = len(tokenizer.encode(record["question"], add_special_tokens=False).ids)
+    room = max_length - min(question_tokens, 64) - 3
+    answer = record["answers"][0]
+    start_char, end_char = answer["start"], answer["start"] + len(answer["text"])
+    first = next(i for i, (s, e) in enumerate(offsets) if e > start_char)
+    last = next(i for i in reversed(range(len(offsets))) if offsets[i][0] < end_char)
+    span = last - first + 1
+    if span > room:
+        return None
+    lo = max(0, last - room + 1)
+    hi = min(first, max(0, len(offsets) - room))
+    w = rng.randint(lo, max(lo, hi))
+    end_token = min(len(offsets), w + room) - 1
+    char_lo, char_hi = offsets[w][0], offsets[end_token][1]
+    out = dict(record)
+    out["context"] = context[char_lo:char_hi]
+    out["answers"] = [{"text": answer["text"], "start": start_char - char_lo}]
+    out["window_chars"] = [char_lo, char_hi]
+    assert out["context"][out["answers"][0]["start"]:][: len(answer["text"])] == answer["text"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data.build_manpages import load_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("source", type=Path)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer()
+    rng, cache, kept, dropped = random.Random(args.seed), {}, 0, 0
+    records = [json.loads(line) for line in args.source.open() if line.strip()]
+    records.sort(key=lambda r: r["page"])  # one tokenization per page
+    with args.output.open("w") as f:
+        for record in records:
+            out = window_record(record, tokenizer, args.max_length, rng, cache)
+            if out is None:
+                dropped += 1
+                continue
+            f.write(json.dumps(out) + "\n")
+            kept += 1
+    print(f"{kept} windows written, {dropped} answers longer than a window dropped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""Evaluate an exported model directory on a held-out JSONL file, through ONNX Runtime
+(`export.runtime.OnnxModel`: what users get), beside simple baselines. No torch.
+
+    longdoc eval models/qa --data data/cache/manpages/qa_test.jsonl
+    longdoc eval models/summarize --data data/cache/manpages/summarize_test.jsonl
+    longdoc eval --baselines-only --task summarize --data data/cache/manpages/summarize_test.jsonl
+
+QA (records {"question", "context", "answers": [{"text", "start"}]}):
+    exact match and F1 with SQuAD's normalisation (lower case, no punctuation, no articles
+    a/an/the, single spaces), the max over the gold answers. The model reads
+    `[CLS] question [SEP] context [SEP]` cut to its max_length (one window: the first tokens of
+    the page) and the best span (start <= end, at most `max_answer_tokens`, inside the context)
+    is mapped back to characters. Baseline: the same model restricted to the first 512 tokens.
+    Both are reported overall and on the answers that lie beyond token 512 (the answer's last
+    token at index >= 512 of the sequence above).
+Summarization (records {"document", "summary"}):
+    ROUGE-1/2/L F1 (tokens: lower-cased runs of [a-z0-9], no stemming, as rouge-score's default
+    tokenizer; ROUGE-L on the longest common subsequence of the whole text). Baselines: "lead",
+    the document's first sentence (heading lines skipped), and "lead-description", the first
+    sentence of its DESCRIPTION section.
+Classification (records {"text", "label"}): accuracy, beside the majority-label baseline.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import string
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BASELINE_QA_LENGTH = 512
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+_ROUGE_TOKEN = re.compile(r"[a-z0-9]+")
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
+
+
+# ----------------------------------------------------------------------------- QA metrics
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD v1.1 normalisation: lower, drop punctuation, drop articles, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    """Token-overlap F1 of the normalised texts (SQuAD): bag-of-tokens precision and recall."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_over_golds(metric, prediction: str, golds: list[str]) -> float:
+    return max((metric(prediction, g) for g in golds), default=0.0)
+
+
+# ----------------------------------------------------------------------------- ROUGE
+
+
+def rouge_tokens(text: str) -> list[str]:
+    return _ROUGE_TOKEN.findall(text.lower())
+
+
+def _f1(overlap: float, n_pred: int, n_ref: int) -> float:
+    if overlap == 0 or n_pred == 0 or n_ref == 0:
+        return 0.0
+    p, r = overlap / n_pred, overlap / n_ref
+    return 2 * p * r / (p + r)
+
+
+def rouge_n(prediction: str, reference: str, n: int) -> float:
+    """ROUGE-N F1: clipped n-gram overlap."""
+    def grams(tokens):
+        return collections.Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+
+    pred, ref = grams(rouge_tokens(prediction)), grams(rouge_tokens(reference))
+    return _f1(sum((pred & ref).values()), sum(pred.values()), sum(ref.values()))
+
+
+def lcs_length(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 on the longest common subsequence (summary-level = one sequence here)."""
+    pred, ref = rouge_tokens(prediction), rouge_tokens(reference)
+    return _f1(lcs_length(pred, ref), len(pred), len(ref))
+
+
+def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
+    return {"rouge1": rouge_n(prediction, reference, 1), "rouge2": rouge_n(prediction, reference, 2),
+            "rougeL": rouge_l(prediction, reference)}
+
+
+# ----------------------------------------------------------------------------- lead baselines
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a text whose heading lines (at column 0) are dropped."""
+    body = " ".join(line.strip() for line in text.splitlines() if line.startswith((" ", "\t")) and line.strip())
+    m = _SENTENCE_END.search(body)
+    return body[: m.end()] if m else body
+
+
+def lead(document: str) -> str:
+    return first_sentence(document)
+
+
+def lead_description(document: str) -> str:
+    """First sentence of the DESCRIPTION section (man pages), else of the document."""
+    m = re.search(r"^DESCRIPTION\n", document, re.M)
+    return first_sentence(document[m.end() :] if m else document)
+
+
+# ----------------------------------------------------------------------------- QA decoding
+
+
+@dataclass(frozen=True)
+class QaInput:
+    input_ids: list[int]
+    token_type_ids: list[int]
+    context_offsets: list[tuple[int, int]]  # char span of each context token in the window
+    context_start: int                      # index of the first context token in input_ids
+
+
+def qa_input(tokenizer, special: dict, question: str, context: str, max_length: int,
+             max_question_tokens: int = 64) -> QaInput:
+    """[CLS] question [SEP] context [SEP], the context cut to the first tokens that fit."""
+    q = tokenizer.encode(question, add_special_tokens=False).ids[:max_question_tokens]
+    c = tokenizer.encode(context, add_special_tokens=False)
+    room = max_length - len(q) - 3
+    ids, offsets = c.ids[:room], [tuple(o) for o in c.offsets[:room]]
+    input_ids = [special["cls"], *q, special["sep"], *ids, special["sep"]]
+    token_types = [0] * (len(q) + 2) + [1] * (len(ids) + 1)
+    return QaInput(input_ids, token_types, offsets, len(q) + 2)
+
+
+def best_span(start_logits: np.ndarray, end_logits: np.ndarray, first: int, count: int,
+              max_answer_tokens: int) -> tuple[int, int]:
+    """argmax of start + end over first <= s <= e < first + count, e - s < max_answer_tokens.
+    Returns (s, e) relative to `first`."""
+    s_log = np.asarray(start_logits[first : first + count], dtype=np.float64)
+    e_log = np.asarray(end_logits[first : first + count], dtype=np.float64)
+    scores = s_log[:, None] + e_log[None, :]  # (count, count)
+    i = np.arange(count)
+    allowed = (i[None, :] >= i[:, None]) & (i[None, :] - i[:, None] < max_answer_tokens)
+    scores = np.where(allowed, scores, -np.inf)
+    s, e = np.unravel_index(int(np.argmax(scores)), scores.shape)
+    return int(s), int(e)
+
+
+def answer_token_end(tokenizer, question: str, context: str, start: int, end: int,
+                     max_question_tokens: int = 64) -> int:
+    """Index in `[CLS] question [SEP] context [SEP]` of the last token of context[start:end]."""
+    q = len(tokenizer.encode(question, add_special_tokens=False).ids[:max_question_tokens])
+    offsets = tokenizer.encode(context, add_special_tokens=False).offsets
+    last = max((i for i, (a, b) in enumerate(offsets) if a < end and b > start), default=len(offsets))
+    return q + 2 + last
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Report:
+    task: str
+    model: str | None
+    data: str
+    examples: int
+    rows: list[dict] = field(default_factory=list)  # {"system", "subset", "n", metric: value}
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        metrics = [k for k in self.rows[0] if k not in ("system", "subset", "n")] if self.rows else []
+        head = "| system | subset | n | " + " | ".join(metrics) + " |"
+        lines = [head, "|" + "---|" * (3 + len(metrics))]
+        for r in self.rows:
+            vals = " | ".join(f"{100 * r[m]:.1f}" for m in metrics)
+            lines.append(f"| {r['system']} | {r['subset']} | {r['n']} | {vals} |")
+        return "\n".join(lines)
+
+
+def read_records(path: str | Path, limit: int | None = None) -> list[dict]:
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path}: no records")
+    if limit and limit < len(records):  # evenly spaced, so every part of the file is represented
+        step = len(records) / limit
+        records = [records[int(i * step)] for i in range(limit)]
+    return records
+
+
+def _mean_rows(system: str, subsets: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for subset, items in subsets.items():
+        if not items:
+            continue
+        row = {"system": system, "subset": subset, "n": len(items)}
+        for key in items[0]:
+            row[key] = float(np.mean([it[key] for it in items]))
+        rows.append(row)
+    return rows
+
+
+def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progress=None) -> tuple[list[dict], list[dict]]:
+    """(report rows, per-record predictions) for the full-length model and its 512 restriction."""
+    tok, special = model.tokenizer, model.manifest.special_tokens
+    lengths = {"model": model.manifest.max_length, f"first-{BASELINE_QA_LENGTH}": min(BASELINE_QA_LENGTH, model.manifest.max_length)}
+    scores = {name: {"all": [], "beyond-512": [], "within-512": []} for name in lengths}
+    predictions = []
+    for n, r in enumerate(records):
+        golds = [a["text"] for a in r["answers"]]
+        a = r["answers"][0]
+        end_tok = answer_token_end(tok, r["question"], r["context"], a["start"], a["start"] + len(a["text"]))
+        subset = "beyond-512" if end_tok >= BASELINE_QA_LENGTH else "within-512"
+        pred_row = {"id": r.get("id", n), "answer_token_end": end_tok}
+        for name, max_length in lengths.items():
+            x = qa_input(tok, special, r["question"], r["context"], max_length)
+            out = model.run_encoder(np.array([x.input_ids]), np.ones((1, len(x.input_ids)), np.int64),
+                                    np.array([x.token_type_ids]))
+            s, e = best_span(out["start_logits"][0], out["end_logits"][0], x.context_start,
+                             len(x.context_offsets), max_answer_tokens)
+            text = r["context"][x.context_offsets[s][0] : x.context_offsets[e][1]]
+            m = {"exact_match": best_over_golds(exact_match, text, golds), "f1": best_over_golds(f1_score, text, golds)}
+            scores[name]["all"].append(m)
+            scores[name][subset].append(m)
+            pred_row[name] = text
+        predictions.append(pred_row)
+        if progress:
+            progress(n + 1, len(records))
+    rows = []
+    for name in lengths:
+        rows += _mean_rows(name, scores[name])
+    return rows, predictions
+
+
+def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num_beams: int = 1,
+                       progress=None) -> tuple[list[dict], list[dict]]:
+    systems = {"lead": lead, "lead-description": lead_description}
+    scores = {name: [] for name in ["model", *systems] if name != "model" or model is not None}
+    predictions = []
+    for n, r in enumerate(records):
+        row = {"id": r.get("id", n)}
+        if model is not None:
+            tok, special = model.tokenizer, model.manifest.special_tokens
+            ids = tok.encode(r["document"], add_special_tokens=False).ids[: model.manifest.max_length - 1]
+            ids.append(special["eos"])
+            out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=max_new_tokens,
+                                 num_beams=num_beams)[0]
+            text = tok.decode([t for t in out if t not in (special.get("eos"), special.get("pad"),
+                                                          special.get("decoder_start"))])
+            scores["model"].append(rouge_scores(text, r["summary"]))
+            row["model"] = text
+        for name, fn in systems.items():
+            text = fn(r["document"])
+            scores[name].append(rouge_scores(text, r["summary"]))
+            row[name] = text
+        predictions.append(row)
+        if progress:
+            progress(n + 1, len(records))
+    rows = []
+    for name, items in scores.items():
+        rows += _mean_rows(name, {"all": items})
+    return rows, predictions
+
+
+def evaluate_classify(model, records: list[dict], progress=None) -> tuple[list[dict], list[dict]]:
+    labels = [str(r["label"]) for r in records]
+    majority = collections.Counter(labels).most_common(1)[0][0]
+    items, base, predictions = [], [], []
+    for n, r in enumerate(records):
+        if model is not None:
+            tok, special = model.tokenizer, model.manifest.special_tokens
+            ids = tok.encode(r["text"], add_special_tokens=False).ids[: model.manifest.max_length - 2]
+            ids = [special["cls"], *ids, special["sep"]]
+            logits = model.run_encoder(np.array([ids]), np.ones((1, len(ids)), np.int64))["logits"][0]
+            pred = model.manifest.labels[int(np.argmax(logits))]
+            items.append({"accuracy": float(pred == str(r["label"]))})
+            predictions.append({"id": r.get("id", n), "model": pred})
+        base.append({"accuracy": float(majority == str(r["label"]))})
+        if progress:
+            progress(n + 1, len(records))
+    rows = _mean_rows("model", {"all": items}) if items else []
+    return rows + _mean_rows(f"majority ({majority})", {"all": base}), predictions
+
+
+def evaluate(model_dir: str | Path | None, data: str | Path, task: str | None = None, limit: int | None = None,
+             threads: int | None = None, max_new_tokens: int = 32, num_beams: int = 1,
+             max_answer_tokens: int = 128, quiet: bool = False) -> tuple[Report, list[dict]]:
+    model = None
+    if model_dir is not None:
+        from export.runtime import OnnxModel
+
+        model = OnnxModel(model_dir, threads=threads)
+        if task is not None and task != model.manifest.task:
+            raise ValueError(f"--task {task} but {model_dir} is a {model.manifest.task!r} model")
+        task = model.manifest.task
+    if task is None:
+        raise ValueError("give a model directory or --task")
+    records = read_records(data, limit)
+
+    def progress(done, total):
+        if not quiet and (done == total or done % 10 == 0):
+            print(f"\r{task}: {done}/{total} examples", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    if task == "qa":
+        if model is None:
+            raise ValueError("QA has no model-free baseline here: give a model directory")
+        rows, preds = evaluate_qa(model, records, max_answer_tokens, progress)
+    elif task == "summarize":
+        rows, preds = evaluate_summarize(model, records, max_new_tokens, num_beams, progress)
+    elif task == "classify":
+        rows, preds = evaluate_classify(model, records, progress)
+    else:
+        raise ValueError(f"no evaluation for task {task!r} (qa, summarize, classify)")
+    report = Report(task, str(model_dir) if model_dir else None, str(data), len(records), rows,
+                    time.perf_counter() - t0)
+    return report, preds

@@ -1,0 +1,104 @@
+"""Metrics of `longdoc eval` on hand-computed examples, and the QA windowing/decoding logic
+against a stand-in model that can only answer what it sees."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from export import evaluate as E
+
+
+def test_squad_normalisation_and_scores():
+    assert E.normalize_answer("The  Cat, sat!") == "cat sat"
+    assert E.exact_match("the cat sat.", "Cat sat") == 1.0
+    assert E.exact_match("cat sat down", "cat sat") == 0.0
+    # pred {cat, sat, on, mat}, gold {cat, on, mat}: P = 3/4, R = 1
+    assert E.f1_score("the cat sat on the mat", "cat on mat") == pytest.approx(6 / 7)
+    assert E.f1_score("dog", "cat") == 0.0
+    assert E.f1_score("a", "the") == 1.0  # both normalise to empty
+    assert E.best_over_golds(E.f1_score, "cat", ["dog", "cat"]) == 1.0
+
+
+def test_rouge_on_known_examples():
+    ref, pred = "the cat was under the bed", "the cat was found under the bed"
+    assert E.rouge_n(pred, ref, 1) == pytest.approx(12 / 13)  # P 6/7, R 6/6
+    assert E.rouge_n(pred, ref, 2) == pytest.approx(16 / 22)  # 4 of 6 and of 5 bigrams
+    assert E.rouge_l(pred, ref) == pytest.approx(12 / 13)  # LCS 6
+    # LCS is order-aware where ROUGE-1 is not: "bed the under" vs "under the bed"
+    assert E.rouge_n("bed the under", "under the bed", 1) == 1.0
+    assert E.rouge_l("bed the under", "under the bed") == pytest.approx(1 / 3)
+    assert E.rouge_scores("", "x") == {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    assert E.rouge_tokens("Open() a FILE, v2!") == ["open", "a", "file", "v2"]
+
+
+def test_lead_baselines_skip_headings():
+    doc = "SYNOPSIS\n       int f(void);\n\nDESCRIPTION\n       f() frobs.  It also bars.\n"
+    assert E.lead(doc) == "int f(void); f() frobs."
+    assert E.lead_description(doc) == "f() frobs."
+
+
+def test_best_span_respects_order_length_and_window():
+    start = np.array([9.0, 0, 5, 0, 0, 0])
+    end = np.array([9.0, 0, 0, 0, 4, 0])
+    # index 0 is outside the window (first=1); s=2 (5) e=4 (4) -> relative (1, 3)
+    assert E.best_span(start, end, 1, 5, max_answer_tokens=10) == (1, 3)
+    # spans longer than 2 tokens are not allowed: the best is then a short one
+    s, e = E.best_span(start, end, 1, 5, max_answer_tokens=2)
+    assert 0 <= e - s < 2
+    # end before start is never chosen
+    s, e = E.best_span(np.array([0.0, 0, 9]), np.array([9.0, 0, 1]), 0, 3, 5)  # (2, 0) would score 18
+    assert (s, e) == (2, 2)
+
+
+def word_tokenizer(words):
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+class OracleModel:
+    """Scores the span of the gold answer's words highest, if the input reaches them."""
+
+    def __init__(self, tokenizer, answer_ids, max_length):
+        self.tokenizer, self.answer_ids = tokenizer, answer_ids
+        self.manifest = SimpleNamespace(max_length=max_length, special_tokens={"cls": 2, "sep": 3, "pad": 0})
+        self.lengths = []
+
+    def run_encoder(self, input_ids, attention_mask, token_type_ids):
+        ids = input_ids[0]
+        self.lengths.append(len(ids))
+        assert token_type_ids[0][0] == 0 and token_type_ids[0][-1] == 1
+        start, end = np.zeros(len(ids)), np.zeros(len(ids))
+        where = [i for i in range(len(ids)) if ids[i] in self.answer_ids]
+        if where:
+            start[where[0]], end[where[-1]] = 10.0, 10.0
+        return {"start_logits": start[None], "end_logits": end[None]}
+
+
+def test_qa_eval_long_model_beats_first_512_only_beyond_512():
+    tok = word_tokenizer(["what", "does", "X", "do", "filler", "alpha", "beta", "gamma"])
+    near = "filler " * 10 + "alpha beta . " + "filler " * 10
+    far = "filler " * 900 + "alpha beta gamma . " + "filler " * 5
+    records = [
+        {"id": "near", "question": "what does X do", "context": near, "answers": [{"text": "alpha beta", "start": near.index("alpha")}]},
+        {"id": "far", "question": "what does X do", "context": far, "answers": [{"text": "alpha beta gamma", "start": far.index("alpha")}]},
+    ]
+    model = OracleModel(tok, {tok.token_to_id(w) for w in ("alpha", "beta", "gamma")}, max_length=1024)
+    rows, preds = E.evaluate_qa(model, records)
+    by = {(r["system"], r["subset"]): r for r in rows}
+    assert by[("model", "all")]["exact_match"] == 1.0
+    assert by[("model", "beyond-512")]["n"] == 1 and by[("model", "beyond-512")]["f1"] == 1.0
+    assert by[("first-512", "within-512")]["exact_match"] == 1.0
+    assert by[("first-512", "beyond-512")]["f1"] == 0.0
+    assert max(model.lengths) <= 1024 and 512 in model.lengths  # the baseline window is 512 tokens
+    assert preds[1]["model"] == "alpha beta gamma" and preds[1]["answer_token_end"] >= 512
+
+
+def test_read_records_limit_is_evenly_spaced(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
+    assert [r["i"] for r in E.read_records(path, limit=5)] == [0, 2, 4, 6, 8]
+    assert len(E.read_records(path)) == 10

@@ -85,10 +85,6 @@ def block_sparse_attention(
     # flat index into the (H * nb) key blocks of one batch element
     head_offset = torch.arange(H, device=q.device).view(H, 1, 1) * nb  # (H, 1, 1)
     flat = (key_blocks + head_offset).reshape(H * nb * K)  # (H*nb*K,)
-    kg = k.reshape(B, H * nb, bs, D).index_select(1, flat)  # (B, H*nb*K, bs, D)
-    vg = v.reshape(B, H * nb, bs, D).index_select(1, flat)  # (B, H*nb*K, bs, D)
-    kg = kg.view(B, H, nb, K * bs, D)  # (B, H, nb, K*bs, D)
-    vg = vg.view(B, H, nb, K * bs, D)  # (B, H, nb, K*bs, D)
     # one additive bias per (row, key slot): padded keys get MASK_PENALTY, table padding slots
     # get a value no real logit reaches (half the dtype minimum, so adding a logit never
     # overflows to -inf and a row that is all padding slots, e.g. a global row, stays finite)
@@ -96,10 +92,14 @@ def block_sparse_attention(
     pen = pen.view(B, H, nb, 1, K * bs)  # (B, H, nb, 1, K*bs)
     slot_valid = valid.view(1, H, nb, 1, K, 1).expand(1, H, nb, 1, K, bs).reshape(1, H, nb, 1, K * bs)
     bias = pen.masked_fill(~slot_valid, _excluded(q.dtype))  # (B, H, nb, 1, K*bs)
-    scores = torch.matmul(qb, kg.transpose(-1, -2)) * scale  # (B, H, nb, bs, K*bs)
-    scores = scores + bias
+    # the gathered blocks are K times the size of k / v: build each right where it is consumed
+    # so that at most one of them is alive at a time (peak memory)
+    # scale q rather than the K-times larger scores (exact for power-of-two scales, D = 64)
+    scores = torch.matmul(qb * scale, _gather_blocks(k, flat, nb, K).transpose(-1, -2))  # (B, H, nb, bs, K*bs)
+    scores += bias  # in place: matmul's backward needs its inputs, not its output
     probs = F.softmax(scores, dim=-1)  # (B, H, nb, bs, K*bs)
-    sparse_out = torch.matmul(probs, vg)  # (B, H, nb, bs, D)
+    del scores
+    sparse_out = torch.matmul(probs, _gather_blocks(v, flat, nb, K))  # (B, H, nb, bs, D)
 
     # --- global rows: dense attention over the whole sequence
     qg = qb.index_select(2, global_index)  # (B, H, G, bs, D)
@@ -112,6 +112,14 @@ def block_sparse_attention(
     out = torch.cat([sparse_out, global_out], dim=2).index_select(2, row_source)  # (B, H, nb, bs, D)
     out = out.reshape(B, H, S, D)  # (B, H, S, D)
     return out * key_mask.view(B, 1, S, 1)
+
+
+def _gather_blocks(x: torch.Tensor, flat_index: torch.Tensor, nb: int, K: int) -> torch.Tensor:
+    """x: (B, H, S, D), flat_index: (H*nb*K,) into the H*nb blocks -> (B, H, nb, K*bs, D)."""
+    B, H, S, D = x.shape
+    bs = S // nb
+    blocks = x.reshape(B, H * nb, bs, D).index_select(1, flat_index)  # (B, H*nb*K, bs, D)
+    return blocks.view(B, H, nb, K * bs, D)  # (B, H, nb, K*bs, D)
 
 
 def dense_reference_attention(

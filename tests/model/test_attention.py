@@ -170,3 +170,18 @@ def test_exports_to_onnx_with_layout_as_inputs(tmp_path):
         args = inputs(nb)
         (got,) = session.run(None, {n: a.numpy() for n, a in zip(names, args)})
         np.testing.assert_allclose(got, _Exportable()(*args).numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["bigbird", "fixed", "star"])
+def test_gradients_match_dense_reference(pattern):
+    spec = AttentionSpec(pattern, 2, num_random_blocks=2, plan="seeded", stride=3)
+    lt = layout_tensors(build_layout(spec, 9, 2, 0))
+    key_mask = torch.ones(2, 18)
+    key_mask[0, -3:] = 0
+    grads = []
+    for attention in (block_sparse_attention, dense_reference_attention):
+        q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 18, 4, 7))
+        (attention(q, k, v, lt, key_mask) ** 2).sum().backward()
+        grads.append([q.grad, k.grad, v.grad])
+    for sparse_grad, dense_grad in zip(*grads):
+        torch.testing.assert_close(sparse_grad, dense_grad, atol=1e-5, rtol=1e-5)

@@ -55,10 +55,14 @@ def weights_path(directory: Path) -> Path:
 def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
     path = weights_path(Path(directory))
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:  # pt: bf16 checkpoints load too
-            return {k: f.get_tensor(k).float().numpy() for k in f.keys()}
+        try:  # NumPy first (no torch import); bf16 checkpoints need torch to read
+            with safe_open(str(path), framework="np") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, TypeError, ValueError):
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k).float().numpy() for k in f.keys()}
     import torch  # a .bin: a plain state dict only, never arbitrary pickled code
 
     try:
@@ -155,7 +159,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         E, H, L = config["d_model"], config["encoder_attention_heads"], config["encoder_layers"]
         decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
                    "head_dim": config["d_model"] // config["decoder_attention_heads"],
-                   "max_positions": config["max_position_embeddings"]}
+                   "max_positions": config["max_position_embeddings"],
+                   "generation": generation_defaults(checkpoint_dir, config)}
     else:
         progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
@@ -198,6 +203,15 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     manifest.save(output_dir)
     progress(f"wrote {output_dir / 'manifest.json'}")
     return manifest
+
+
+GENERATION_KEYS = ("max_length", "num_beams", "length_penalty", "no_repeat_ngram_size", "early_stopping",
+                   "min_length", "forced_eos_token_id", "decoder_start_token_id")
+
+
+def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
+    """The generation settings of the checkpoint (config.json, as model.generation reads them)."""
+    return {key: config[key] for key in GENERATION_KEYS if config.get(key) is not None}
 
 
 def _default_arch(task: str) -> str:

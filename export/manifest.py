@@ -44,7 +44,7 @@ class Manifest:
     full_attention_max_length: int  # seq_len <= this runs full attention (transformers' rule)
     labels: list[str] | None = None
     special_tokens: dict[str, int | None] = field(default_factory=dict)
-    decoder: dict[str, int] | None = None  # summarize: num_layers, num_heads, head_dim, max_positions
+    decoder: dict[str, Any] | None = None  # summarize: num_layers, num_heads, head_dim, max_positions, generation
     source: dict[str, str] = field(default_factory=dict)  # checkpoint, sha256
     versions: dict[str, Any] = field(default_factory=dict)  # longdoc, torch, onnx, opset
     format_version: int = FORMAT_VERSION

@@ -79,26 +79,34 @@ def tiny_config(task: str) -> dict:
     if task == "summarize":
         return dict(common, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                    decoder_start_token_id=BOS, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0)
+                    decoder_start_token_id=BOS, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0,
+                    init_std=0.25)
     extra = {}
     if task == "classify":
         extra = dict(num_labels=3, id2label=dict(enumerate(CLASSIFY_LABELS)),
                      label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
     return dict(common, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                sep_token_id=SEP, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+                sep_token_id=SEP, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                initializer_range=0.25, **extra)
 
 
-def make_tiny_checkpoint(directory, task: str, seed: int = 0, **overrides) -> Path:
-    """A random-init checkpoint for `task` saved in the Hugging Face format (transformers builds
-    and saves it; model/ reads the same files). `overrides` change config fields."""
+def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "model", **overrides) -> Path:
+    """A random-init checkpoint for `task` saved in the Hugging Face format. source="model":
+    built with our model/ and written by `model.save_pretrained`; source="transformers": built
+    and saved by transformers (a "converted" checkpoint). `overrides` change config fields."""
     import torch
-    import transformers
 
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = dict(tiny_config(task), **overrides)
+    if source == "model":
+        return _make_with_model(directory, task, seed, kwargs)
+    if source != "transformers":
+        raise ValueError("source must be 'model' or 'transformers'")
+    import transformers
+
     cls, config_cls = {
         "qa": (transformers.BigBirdForQuestionAnswering, transformers.BigBirdConfig),
         "classify": (transformers.BigBirdForSequenceClassification, transformers.BigBirdConfig),
@@ -107,10 +115,32 @@ def make_tiny_checkpoint(directory, task: str, seed: int = 0, **overrides) -> Pa
     }[task]
     torch.manual_seed(seed)
     model = cls(config_cls(**kwargs)).eval()
-    if task == "summarize":  # random-init final_logits_bias is zero; make it count
+    if task == "summarize":  # random-init final_logits_bias is zero; make it count, and eos likely
         with torch.no_grad():
             model.final_logits_bias.normal_(0, 0.5)
+            model.final_logits_bias[0, EOS] += 2.0
     model.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _make_with_model(directory: Path, task: str, seed: int, kwargs: dict) -> Path:
+    import torch
+
+    import model
+    from model import bigbird, pegasus
+
+    torch.manual_seed(seed)
+    if task == "summarize":
+        module = pegasus.BigBirdPegasusForConditionalGeneration(pegasus.BigBirdPegasusConfig.from_dict(kwargs))
+        with torch.no_grad():
+            module.final_logits_bias.normal_(0, 0.5)
+            module.final_logits_bias[0, EOS] += 2.0
+    else:
+        cls = {"qa": bigbird.BigBirdForQuestionAnswering, "classify": bigbird.BigBirdForSequenceClassification,
+               "mlm": bigbird.BigBirdForMaskedLM}[task]
+        module = cls(bigbird.BigBirdConfig.from_dict(kwargs))
+    model.save_pretrained(module.eval(), directory)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
     return directory
 

@@ -1,0 +1,66 @@
+"""Op census of an exported graph: only standard ONNX ops (default domain, opset >= 17), no
+control flow, and every block-sparse attention made of Gather + MatMul + Softmax.
+
+Node names carry their layer scope (`layer3/...`, `enc3/...`, `dec3/...`; see export/graph.py),
+which is how the per-attention check finds each layer's nodes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+import onnx
+
+MIN_OPSET = 17
+# element-wise arithmetic, shape plumbing, the attention kernels, normalisation, and the
+# ops ONNX Runtime's dynamic int8 quantization inserts (all in the default domain)
+ALLOWED_OPS = frozenset("""
+Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Exp Log Abs Max Min Equal Less LessOrEqual Greater
+GreaterOrEqual And Or Not Where Cast Identity
+Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
+MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax LayerNormalization
+DynamicQuantizeLinear MatMulInteger QuantizeLinear DequantizeLinear
+""".split())
+CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})
+_SCOPE = re.compile(r"^(layer|enc|dec)(\d+)/")
+
+
+def op_census(model: onnx.ModelProto) -> Counter:
+    """(domain, op_type) -> count."""
+    return Counter((node.domain or "ai.onnx", node.op_type) for node in model.graph.node)
+
+
+def check_graph(model: onnx.ModelProto | str, sparse: bool = True) -> list[str]:
+    """Every rule the graph breaks, as sentences (empty = clean)."""
+    if isinstance(model, str):
+        model = onnx.load(model, load_external_data=False)
+    problems = []
+    opset = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    if opset.get("ai.onnx", 0) < MIN_OPSET:
+        problems.append(f"default-domain opset {opset.get('ai.onnx')} < {MIN_OPSET}")
+    for (domain, op), n in sorted(op_census(model).items()):
+        if domain != "ai.onnx":
+            problems.append(f"{n} node(s) of {domain}.{op}: only the default ONNX domain is allowed")
+        elif op in CONTROL_FLOW:
+            problems.append(f"{n} {op} node(s): no control flow allowed")
+        elif op not in ALLOWED_OPS:
+            problems.append(f"{n} {op} node(s): op not in the allowed set")
+    per_layer: dict[str, Counter] = defaultdict(Counter)
+    for node in model.graph.node:
+        match = _SCOPE.match(node.name)
+        if match:
+            per_layer[match.group(0)][node.op_type] += 1
+    if not per_layer:
+        problems.append("no layer-scoped nodes found (names must start with layerN/, encN/ or decN/)")
+    for scope, ops in sorted(per_layer.items()):
+        if scope.startswith("dec"):
+            need = {"MatMul": 4, "Softmax": 2}  # self + cross attention over the cache
+        elif sparse:
+            need = {"Gather": 5, "MatMul": 4, "Softmax": 2}  # sparse rows + global rows
+        else:
+            need = {"MatMul": 2, "Softmax": 1}
+        for op, n in need.items():
+            if ops[op] < n:
+                problems.append(f"{scope} attention has {ops[op]} {op} node(s), expected >= {n}")
+    return problems

@@ -1,0 +1,211 @@
+"""Export + ONNX Runtime on tiny models: op census, verify against PyTorch for every task,
+one graph for every length, padded mixed-length batches, fp16/int8, and bad inputs."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from export.census import check_graph
+from export.exporter import CheckpointError, export_model
+from export.runtime import OnnxModel
+from export.verify import verify_lengths, verify_model
+from tests.tiny_models import SEP, make_tiny_checkpoint
+
+
+def checkpoint_of(model_dir):
+    return model_dir.parent / "checkpoint"  # tests/conftest.py layout
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def qa_model(tiny_qa_dir):
+    return OnnxModel(tiny_qa_dir, threads=1)
+
+
+# --- op census ------------------------------------------------------------------------------
+
+def test_census_of_every_graph(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
+    for path in (tiny_qa_dir / "encoder.onnx", tiny_classify_dir / "encoder.onnx",
+                 tiny_summarize_dir / "encoder.onnx", tiny_summarize_dir / "decoder.onnx"):
+        assert check_graph(str(path)) == [], path
+
+
+def test_census_rejects_custom_ops_and_control_flow(tiny_qa_dir):
+    model = onnx.load(str(tiny_qa_dir / "encoder.onnx"))
+    model.graph.node.append(helper.make_node("Attention", ["a"], ["b"], domain="com.microsoft", name="layer0/x"))
+    model.graph.node.append(helper.make_node("Loop", ["c"], ["d"], name="layer0/y"))
+    problems = " ".join(check_graph(model))
+    assert "com.microsoft.Attention" in problems and "Loop" in problems
+
+
+def test_census_requires_gather_in_every_sparse_attention(tiny_qa_dir):
+    model = onnx.load(str(tiny_qa_dir / "encoder.onnx"))
+    keep = [n for n in model.graph.node if not (n.name.startswith("layer1/") and n.op_type == "Gather")]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    assert any("layer1/ attention has 0 Gather" in p for p in check_graph(model))
+
+
+# --- verify: ORT against PyTorch --------------------------------------------------------------
+
+def test_verify_qa_at_every_default_length(tiny_qa_dir):
+    report = verify_model(tiny_qa_dir, checkpoint_of(tiny_qa_dir), progress=quiet, threads=1)
+    lengths = {c.length for c in report.checks}
+    assert len(lengths) >= 5 and any(n % 16 for n in lengths) and {16, 512} <= lengths
+    assert {c.batch for c in report.checks} == {1, 3}
+    assert report.ok, report.summary()
+    assert max(c.max_abs_diff for c in report.checks) <= 1e-4
+
+
+def test_verify_classify(tiny_classify_dir):
+    report = verify_model(tiny_classify_dir, checkpoint_of(tiny_classify_dir), progress=quiet, threads=1,
+                          lengths=[16, 145, 300])
+    assert report.ok, report.summary()
+
+
+def test_verify_summarize_logits_and_generation(tiny_summarize_dir):
+    report = verify_model(tiny_summarize_dir, checkpoint_of(tiny_summarize_dir), progress=quiet, threads=1,
+                          lengths=[20, 145, 512])
+    assert report.ok, report.summary()
+    assert {c.what for c in report.checks} >= {"greedy tokens", "beam(3) tokens", "decoder logits"}
+
+
+def test_verify_mlm_converted_from_transformers(tmp_path):
+    """A checkpoint built and saved by transformers, verified against transformers itself."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "mlm", source="transformers")
+    export_model(ckpt, tmp_path / "model", "mlm", progress=quiet)
+    report = verify_model(tmp_path / "model", ckpt, against="transformers", progress=quiet, threads=1,
+                          lengths=[16, 144, 145, 200, 512])
+    assert report.ok, report.summary()
+
+
+def test_verify_fails_on_a_wrong_graph(tiny_classify_dir, tmp_path):
+    """verify can fail: the checkpoint changed after export."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_of(tiny_classify_dir), ckpt)
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    weights["classifier.out_proj.bias"] = weights["classifier.out_proj.bias"] + 0.01
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    report = verify_model(tiny_classify_dir, ckpt, progress=quiet, threads=1, lengths=[16])
+    assert not report.ok and "MISMATCH" in report.summary()
+
+
+# --- one graph, every length; padding ----------------------------------------------------------
+
+def test_one_graph_serves_every_length(qa_model):
+    session = qa_model.sessions["encoder"]
+    rng = np.random.default_rng(0)
+    for S in (1, 15, 144, 145, 161, 300, 512):
+        ids = rng.integers(7, 300, (2, S))
+        out = qa_model.run_encoder(ids, np.ones_like(ids))
+        assert out["start_logits"].shape == (2, S) and np.isfinite(out["start_logits"]).all()
+    assert qa_model.sessions["encoder"] is session
+    assert {key[1] for key in qa_model._layouts} == {"full", "block_sparse"}
+
+
+@pytest.mark.parametrize("S", [100, 300])  # full attention and block-sparse
+def test_mixed_length_batch_equals_rows_run_alone(qa_model, S):
+    rng = np.random.default_rng(S)
+    ids = rng.integers(7, 300, (3, S))
+    ids[:, 4] = SEP
+    mask = np.ones((3, S), np.int64)
+    mask[1, S // 2:] = 0
+    mask[2, 20:] = 0
+    batch = qa_model.run_encoder(ids, mask)
+    for row in range(3):
+        alone = qa_model.run_encoder(ids[row:row + 1], mask[row:row + 1])
+        real = mask[row].astype(bool)
+        for name in ("start_logits", "end_logits"):
+            np.testing.assert_allclose(batch[name][row, real], alone[name][0, real], atol=1e-5)
+
+
+def test_layouts_are_cached_per_padded_length(qa_model):
+    a = qa_model.layout_inputs(320, "block_sparse")
+    assert qa_model.layout_inputs(320, "block_sparse") is a
+    assert a["layout_key_blocks"].shape[:3] == (2, 2, 20)
+
+
+# --- dtypes ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_fp16_and_int8_exports_load_and_run(tiny_qa_dir, tmp_path, dtype):
+    out = tmp_path / dtype
+    export_model(checkpoint_of(tiny_qa_dir), out, "qa", dtype=dtype, progress=quiet)
+    assert check_graph(str(out / "encoder.onnx")) == []
+    report = verify_model(out, checkpoint_of(tiny_qa_dir), progress=quiet, threads=1, lengths=[16, 145, 300])
+    assert report.ok, report.summary()
+    worst = max(c.max_abs_diff for c in report.checks)
+    if dtype == "fp16":
+        assert worst <= 1e-2
+    else:
+        assert 0 < worst < 1.0  # int8 is reported, but it must be close
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+def test_bad_checkpoint_directories_fail_fast(tmp_path, tiny_classify_dir):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        export_model(tmp_path / "nope", tmp_path / "out", "qa", progress=quiet)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        export_model(tmp_path / "empty", tmp_path / "out", "qa", progress=quiet)
+    bad = tmp_path / "gpt"
+    shutil.copytree(checkpoint_of(tiny_classify_dir), bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
+        export_model(bad, tmp_path / "out", "classify", progress=quiet)
+    with pytest.raises(CheckpointError, match="is a 'classify' model, not 'qa'"):
+        export_model(checkpoint_of(tiny_classify_dir), tmp_path / "out", "qa", progress=quiet)
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["BigBirdForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="architecture 'BigBirdForCausalLM' is not supported"):
+        export_model(bad, tmp_path / "out", "classify", progress=quiet)
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        export_model(bad, tmp_path / "out", "classify", progress=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reports_errors_in_one_line(tmp_path, capsys):
+    from longdoc.cli import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "out"), "--task", "qa"]) == 1
+    err = capsys.readouterr().err
+    assert "no config.json" in err and "Traceback" not in err
+
+
+def test_runtime_rejects_bad_inputs(qa_model):
+    with pytest.raises(ValueError, match="outside"):
+        qa_model.run_encoder(np.ones((1, 513), np.int64))
+    with pytest.raises(ValueError, match=r"\(batch, sequence\)"):
+        qa_model.run_encoder(np.ones((1, 2, 3), np.int64))
+    with pytest.raises(ValueError, match="integers"):
+        qa_model.run_encoder(np.ones((1, 8), np.float32))
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        qa_model.run_encoder(np.ones((1, 8), np.int64), np.ones((1, 9), np.int64))
+    with pytest.raises(ValueError, match="generate needs a summarize model"):
+        qa_model.generate(np.ones((1, 8), np.int64))
+
+
+def test_verify_lengths_cover_the_edges(qa_model):
+    lengths = verify_lengths(qa_model.manifest)
+    assert len(lengths) >= 5 and lengths[0] == 16 and lengths[-1] == 512 and {144, 145} <= set(lengths)
+
+
+def test_runtime_imports_no_torch(tiny_qa_dir):
+    code = ("import sys, numpy as np; from export.runtime import OnnxModel; "
+            f"m = OnnxModel({str(tiny_qa_dir)!r}, threads=1); m.run_encoder(np.ones((1, 200), np.int64)); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

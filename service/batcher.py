@@ -393,7 +393,11 @@ class DecodeScheduler:
             self.pending.remove(job)
             self._gauges()
             job.started = time.monotonic()
-            out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params)
+            try:
+                out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params)
+            except Exception as exc:
+                self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
+                raise
             self.metrics.generated_tokens.labels(self.model).inc(len(out))
             for t in out:
                 job.tokens.put_nowait(int(t))
@@ -405,7 +409,12 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._gauges()
-        states = await self.slot.call(self.slot.worker.begin, [j.input_ids for j in joining])
+        try:
+            states = await self.slot.call(self.slot.worker.begin, [j.input_ids for j in joining])
+        except Exception as exc:
+            for j in joining:
+                self._finish(j, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
+            raise
         now = time.monotonic()
         for j, s in zip(joining, states):
             j.state, j.last, j.started = s, self.decoder_start, now

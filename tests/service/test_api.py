@@ -4,6 +4,7 @@ counts "good" and "bad"; the fake summarizer copies the document's first tokens.
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -315,3 +316,60 @@ def test_settings_from_environment_and_flags(monkeypatch):
         cli.build_settings(parser.parse_args(["serve", "--model", "nodir"]))
     with pytest.raises(ValueError, match="cuda:N"):
         cli.build_settings(parser.parse_args(["serve", "--model", "q=/m", "--device", "gpu7"]))
+
+
+def test_decoder_failure_gives_503_then_recovers():
+    factory = fake_factory(summarize={"fail_runs": 1})
+
+    async def go():
+        async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
+            bad = await c.post("/v1/summarize", json={"document": "w1 w2"})
+            for _ in range(100):
+                if (await c.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.01)
+            good = await c.post("/v1/summarize", json={"document": "w1 w2"})
+            return bad, good
+
+    bad, good = run(go())
+    assert bad.status_code == 503 and good.status_code == 200
+    assert good.json()["results"][0]["summary"] == "w1 w2"
+
+
+def test_disconnect_drops_queued_windows():
+    """A real client hanging up (httpx read timeout) over a real socket: the rest of its
+    windows never reach the worker."""
+    import httpx
+
+    from service.settings import Settings
+    from tests.service.conftest import ThreadServer
+
+    factory = fake_factory(qa={"delay_s": 0.05})
+    settings = Settings(models={"qa": "qa"}, max_batch_size=1, warmup=False)
+    with ThreadServer(settings, worker_factory=factory) as s:
+        with pytest.raises(httpx.ReadTimeout):  # 400 tokens = 14 windows = 0.7 s of work
+            httpx.post(s.url + "/v1/qa", json={"question": "q", "document": filler(400)}, timeout=0.2)
+        time.sleep(0.4)
+        metrics = httpx.get(s.url + "/metrics").text
+    assert 'longdoc_request_failures_total{endpoint="qa",reason="cancelled"} 1.0' in metrics
+    assert len(factory.made[0].batches) <= 6
+
+
+def test_metrics_multiprocess_mode(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from service.metrics import Metrics\n"
+        "m = Metrics()\n"
+        "m.failures.labels('qa', 'timeout').inc(3)\n"
+        "m.in_flight.labels('qa').inc()\n"
+        "body, _ = m.render()\n"
+        "print(body.decode())\n"
+    )
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.returncode == 0, out.stderr
+    assert 'longdoc_request_failures_total{endpoint="qa",reason="timeout"} 3.0' in out.stdout
+    assert list(tmp_path.glob("*.db"))  # values live in the shared directory

@@ -61,7 +61,7 @@ def read_jsonl(path: str | Path, task: str) -> list[Record]:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     records = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # tolerate a byte-order mark
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -132,35 +132,57 @@ def _first_token(tokenizer, candidates: Sequence[str]) -> int | None:
     return None
 
 
-def special_tokens_from(tokenizer, config: dict) -> SpecialTokens:
-    """Special ids from the model config (pad/sep/eos/decoder_start, as transformers reads them),
-    the rest from the tokenizer's vocabulary ([CLS]/<s>, [MASK]/<mask>)."""
+# candidates by text when neither the tokenizer files nor the config name a token
+_GUESSES = {
+    "cls": ("[CLS]", "<s>"),
+    "sep": ("[SEP]", "</s>"),
+    "pad": ("[PAD]", "<pad>"),
+    "mask": ("[MASK]", "<mask>", "<mask_1>", "<mask_2>"),
+    "eos": ("</s>", "[SEP]"),
+}
+
+
+def special_tokens_from(tokenizer, config: dict, directory=None) -> SpecialTokens:
+    """The special ids training uses, resolved as the serving path resolves them
+    (`model.tokenization.special_token_ids`: the tokenizer files' token texts first, then the
+    config's `*_token_id`), for the tokenizer files in `directory`; what is still undefined comes
+    from the model `config`, then from the vocabulary ([CLS]/<s>, [SEP]/</s>, [MASK]/<mask>, ...).
+    `model.train` writes the result into the output's special_tokens_map.json, so an exported
+    model resolves the same ids."""
+    from model.tokenization import special_token_ids
+
+    ids = dict(special_token_ids(directory, tokenizer)) if directory is not None else {}
 
     def conf(key):
         value = config.get(key)
-        return value[0] if isinstance(value, list) else value
+        value = value[0] if isinstance(value, list) and value else value
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    sep = conf("sep_token_id")
-    if sep is None or tokenizer.id_to_token(sep) is None:
-        sep = _first_token(tokenizer, ("[SEP]", "</s>"))
-    cls = _first_token(tokenizer, ("[CLS]", "<s>"))
-    pad = conf("pad_token_id")
-    if pad is None:
-        pad = _first_token(tokenizer, ("[PAD]", "<pad>"))
-    if pad is None:
-        pad = 0
-    eos = conf("eos_token_id")
-    if eos is None:
-        eos = _first_token(tokenizer, ("</s>", "[SEP]"))
+    for name in ("pad", "cls", "sep", "mask", "eos", "decoder_start"):
+        if ids.get(name) is None:
+            ids[name] = conf(f"{name}_token_id")
+        if ids.get(name) is None and name in _GUESSES:
+            ids[name] = _first_token(tokenizer, _GUESSES[name])
     return SpecialTokens(
-        pad=pad,
-        cls=cls,
-        sep=sep,
-        mask=_first_token(tokenizer, ("[MASK]", "<mask>", "<mask_1>", "<mask_2>")),
-        eos=eos,
-        decoder_start=conf("decoder_start_token_id") if conf("decoder_start_token_id") is not None else pad,
+        pad=ids["pad"] if ids["pad"] is not None else 0,
+        cls=ids["cls"],
+        sep=ids["sep"],
+        mask=ids["mask"],
+        eos=ids["eos"],
+        decoder_start=ids["decoder_start"] if ids["decoder_start"] is not None else ids["pad"],
         vocab_size=config.get("vocab_size"),
     )
+
+
+def special_tokens_map(tokenizer, special: SpecialTokens) -> dict[str, str]:
+    """special_tokens_map.json content (token texts) for the ids in `special`."""
+    out = {}
+    for name in ("pad", "cls", "sep", "mask", "eos"):
+        token_id = getattr(special, name)
+        text = tokenizer.id_to_token(token_id) if token_id is not None else None
+        if text is not None:
+            out[f"{name}_token"] = text
+    return out
 
 
 # ----------------------------------------------------------------------------- features

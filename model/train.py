@@ -349,7 +349,7 @@ class Trainer:
                 f"the tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is "
                 f"{model_config.get('vocab_size')}"
             )
-        self.special = D.special_tokens_from(self.tokenizer, model_config)
+        self.special = D.special_tokens_from(self.tokenizer, model_config, self.tokenizer_path.parent)
         max_positions = model_config.get("max_position_embeddings", 4096)
         self.max_length = cfg.max_length or max_positions
         if self.max_length > max_positions:
@@ -493,6 +493,10 @@ class Trainer:
         directory.mkdir(parents=True, exist_ok=True)
         save_pretrained(self.model, directory)
         _copy_tokenizer_files(self.tokenizer_path, directory)
+        if not (directory / "special_tokens_map.json").is_file():
+            # the ids training used, by text, for model.tokenization (export, service) to find
+            tokens = D.special_tokens_map(self.tokenizer, self.special)
+            (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
     def save_checkpoint(self) -> Path:
         directory = self.output / f"checkpoint-{self.step}"

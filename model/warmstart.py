@@ -119,7 +119,8 @@ def warm_start(
     from model.checkpoint import read_state_dict
 
     state = read_state_dict(source)
-    weights_path = next(source / n for n in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json") if (source / n).is_file())
+    names = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+    weights_path = next(source / n for n in names if (source / n).is_file())
     out: dict[str, torch.Tensor] = {}
     dropped = []
     for key, tensor in state.items():

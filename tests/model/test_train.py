@@ -156,7 +156,7 @@ def test_training_runs_block_sparse(work):
     from model.lengths import plan_length
 
     tok, _ = __import__("model.train", fromlist=["load_tokenizer"]).load_tokenizer(str(work / "bigbird"), None)
-    special = D.special_tokens_from(tok, BIGBIRD)
+    special = D.special_tokens_from(tok, BIGBIRD, work / "bigbird")
     features = D.qa_features(D.read_jsonl(work / "qa.jsonl", "qa"), tok, special, 128)
     shortest = min(len(f["input_ids"]) for f in features)
     assert plan_length(shortest, 8, 1, "block_sparse").attention == "block_sparse"
@@ -190,6 +190,16 @@ def test_saved_checkpoints_load_in_transformers(mlm_run, qa_run, summarize_run):
     _compare_with_transformers(mlm_run.output, "BigBirdForMaskedLM", {"input_ids": ids, "attention_mask": mask}, ("logits",))
     _compare_with_transformers(summarize_run.output, "BigBirdPegasusForConditionalGeneration",
                                {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :7]}, ("logits",))
+
+
+def test_output_names_the_special_tokens_training_used(qa_run, summarize_run):
+    """The serving path (model.tokenization) resolves the ids the data was built with."""
+    from model.tokenization import special_token_ids
+
+    ids = special_token_ids(qa_run.output)
+    assert (ids["cls"], ids["sep"], ids["pad"], ids["mask"]) == (2, 3, 0, 4)
+    ids = special_token_ids(summarize_run.output)
+    assert (ids["eos"], ids["pad"], ids["decoder_start"]) == (5, 0, 6)
 
 
 def test_fine_tune_from_checkpoint_adds_head(work, mlm_run, capsys):

@@ -145,6 +145,16 @@ class QaInput:
     context_start: int                      # index of the first context token in input_ids
 
 
+def special_ids(model) -> dict[str, int]:
+    """The manifest's special token ids, with [CLS]/[SEP] looked up in the tokenizer where the
+    checkpoint's config did not name them (BERT configs carry no cls_token_id)."""
+    special = dict(model.manifest.special_tokens)
+    for name, token in (("cls", "[CLS]"), ("sep", "[SEP]")):
+        if special.get(name) is None:
+            special[name] = model.tokenizer.token_to_id(token)
+    return special
+
+
 def qa_input(tokenizer, special: dict, question: str, context: str, max_length: int,
              max_question_tokens: int = 64) -> QaInput:
     """[CLS] question [SEP] context [SEP], the context cut to the first tokens that fit."""
@@ -226,7 +236,7 @@ def _mean_rows(system: str, subsets: dict[str, list[dict]]) -> list[dict]:
 
 def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progress=None) -> tuple[list[dict], list[dict]]:
     """(report rows, per-record predictions) for the full-length model and its 512 restriction."""
-    tok, special = model.tokenizer, model.manifest.special_tokens
+    tok, special = model.tokenizer, special_ids(model)
     lengths = {"model": model.manifest.max_length, f"first-{BASELINE_QA_LENGTH}": min(BASELINE_QA_LENGTH, model.manifest.max_length)}
     scores = {name: {"all": [], "beyond-512": [], "within-512": []} for name in lengths}
     predictions = []
@@ -292,7 +302,7 @@ def evaluate_classify(model, records: list[dict], progress=None) -> tuple[list[d
     items, base, predictions = [], [], []
     for n, r in enumerate(records):
         if model is not None:
-            tok, special = model.tokenizer, model.manifest.special_tokens
+            tok, special = model.tokenizer, special_ids(model)
             ids = tok.encode(r["text"], add_special_tokens=False).ids[: model.manifest.max_length - 2]
             ids = [special["cls"], *ids, special["sep"]]
             logits = model.run_encoder(np.array([ids]), np.ones((1, len(ids)), np.int64))["logits"][0]

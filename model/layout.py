@@ -178,8 +178,12 @@ def build_layout(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int)
 
 @functools.lru_cache(maxsize=512)
 def _build_layout(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int) -> Layout:
-    builder = _BUILDERS[spec.pattern]
-    rows, global_rows, *width = builder(spec, n_blocks, num_heads, layer)
+    built = _BUILDERS[spec.pattern](spec, n_blocks, num_heads, layer)
+    if isinstance(built, Layout):  # a builder that produced the arrays itself
+        for a in (built.key_blocks, built.valid, built.global_rows):
+            a.setflags(write=False)
+        return built
+    rows, global_rows, *width = built
     return _pack(rows, global_rows, n_blocks, *width)
 
 
@@ -259,25 +263,45 @@ def _bigbird(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int):
     return rows, _global_mask(nb, (0, nb - 1))
 
 
-def _window_global_random(spec, n_blocks, num_heads, layer, global_blocks):
-    """Seeded plan: window + globals + distinct random blocks outside both."""
-    global_rows = _global_mask(n_blocks, global_blocks)
-    globals_ = np.flatnonzero(global_rows).tolist()
-    rows = []
+def _window_global_random(spec, n_blocks, num_heads, layer, global_blocks) -> Layout:
+    """Seeded plan: window + globals + distinct random blocks outside both (vectorised per head).
+
+    Row i lists its window and the global blocks (increasing), then min(r, #others) distinct
+    random blocks drawn uniformly from the rest (increasing).
+    """
+    nb, r = n_blocks, spec.num_random_blocks
+    global_rows = _global_mask(nb, global_blocks)
+    half = spec.window_blocks // 2
+    offset = np.arange(nb)[None, :] - np.arange(nb)[:, None]  # (nb, nb): key - query
+    fixed = (np.abs(offset) <= half) | global_rows[None, :]  # (nb, nb) window and global columns
+    n_fixed = fixed.sum(1)  # (nb,)
+    n_rand = np.minimum(r, nb - n_fixed)  # (nb,)
+    width = int((n_fixed + n_rand)[~global_rows].max(initial=1))
+    slot = np.arange(width)[None, :]  # (1, K)
+    # fixed part: the column indices of `fixed` in increasing order, as the first n_fixed slots
+    fixed_cols = np.argsort(~fixed, axis=1, kind="stable")  # (nb, nb): fixed columns first
+    key_blocks = np.zeros((num_heads, nb, width), dtype=np.int64)
     for h in range(num_heads):
-        rng = _seeded_rng(spec.seed, layer, h, n_blocks)
-        head_rows = []
-        for i in range(n_blocks):
-            if global_rows[i]:
-                head_rows.append([])
-                continue
-            base = _sorted_union(globals_, _window(i, spec.window_blocks, n_blocks))
-            candidates = np.setdiff1d(np.arange(n_blocks), base)
-            r = min(spec.num_random_blocks, candidates.size)
-            rand = rng.choice(candidates, size=r, replace=False) if r else []
-            head_rows.append(base + sorted(int(x) for x in rand))
-        rows.append(head_rows)
-    return rows, global_rows
+        rng = _seeded_rng(spec.seed, layer, h, nb)
+        # a uniform random subset per row: the r smallest of i.i.d. keys over the allowed columns
+        keys = np.where(fixed, np.inf, rng.random((nb, nb)))  # (nb, nb)
+        if 0 < r < nb:
+            picked = np.argpartition(keys, r - 1, axis=1)[:, :r]  # (nb, r) the r smallest, any order
+        else:
+            picked = np.argsort(keys, axis=1)[:, :r]  # (nb, r)
+        # allowed picks (finite key; there are n_rand of them) in increasing order, then filler
+        allowed = np.isfinite(np.take_along_axis(keys, picked, axis=1))  # (nb, r)
+        picked = np.sort(np.where(allowed, picked, nb), axis=1)  # (nb, r)
+        picked = np.where(picked < nb, picked, 0)
+        row = np.concatenate([fixed_cols, picked], axis=1)  # (nb, nb + r)
+        # slot j < n_fixed -> fixed_cols[j]; n_fixed <= j < n_fixed + n_rand -> picked[j - n_fixed]
+        src = np.where(slot < n_fixed[:, None], slot, nb + slot - n_fixed[:, None])  # (nb, K)
+        src = np.clip(src, 0, nb + r - 1)
+        key_blocks[h] = np.take_along_axis(row, src, axis=1)
+    valid = np.broadcast_to(slot < (n_fixed + n_rand)[:, None], (num_heads, nb, width)).copy()
+    valid[:, global_rows, :] = False
+    key_blocks[~valid] = 0
+    return Layout(key_blocks=key_blocks, valid=valid, global_rows=global_rows)
 
 
 def hf_random_blocks(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int, training: bool) -> np.ndarray:

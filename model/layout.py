@@ -40,7 +40,8 @@ Patterns (``AttentionSpec.pattern``), all bidirectional:
 - ``star``: Star-Transformer (Eq. 6): the last block is the relay (a global row and column);
   every other block attends to itself, its cyclic neighbours among the non-relay blocks, and
   the relay.
-- ``dense``: every row lists every block (no global rows).
+- ``dense``: every row is a global row (the attention computes plain full attention; the
+  table has one unused slot per row).
 
 Random-block plans for ``bigbird`` (``AttentionSpec.plan``), all deterministic in their inputs and
 never touching NumPy's global RNG:
@@ -510,7 +511,8 @@ def _star(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int):
 
 
 def _dense(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int):
-    return [[list(range(n_blocks))] * n_blocks] * num_heads, np.zeros(n_blocks, dtype=bool)
+    # every row global: the attention then runs plain full attention (no K = nb gather)
+    return [[[]] * n_blocks] * num_heads, np.ones(n_blocks, dtype=bool)
 
 
 _BUILDERS = {

@@ -411,3 +411,11 @@ def test_warmstart_cli_and_unknown_type(tmp_path, capsys):
     (tmp_path / "bert" / "config.json").write_text(json.dumps(config))
     assert main(["warmstart", str(tmp_path / "bert"), str(tmp_path / "bb2")]) == 1
     assert "model_type 'gpt2'" in capsys.readouterr().err
+
+
+def test_clear_errors_for_wrong_model_or_precision(work):
+    with pytest.raises(ValueError, match="task 'summarize' needs a 'bigbird_pegasus' model"):
+        train(TrainConfig(task="summarize", model=str(work / "bigbird" / "config.json"),
+                          train=str(work / "summarize.jsonl"), output=str(work / "x")))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        run(work, "mlm", "x", max_steps=1, precision="bf16", device="cpu")

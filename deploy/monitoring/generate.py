@@ -73,28 +73,34 @@ class Panel:
 
 
 REQ = "longdoc_request_duration_seconds"
+EP = f'{JOB},endpoint=~"$endpoint"'  # request-level series, filtered by the dashboard's endpoint variable
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Latency", (
         Panel("Request latency per endpoint (p50 / p95 / p99)", "s", tuple(
-            (f"{{{{endpoint}}}} p{int(q * 100)}", quantile(q, REQ, "endpoint")) for q in (0.5, 0.95, 0.99)
+            (f"{{{{endpoint}}}} p{int(q * 100)}", quantile(q, REQ, "endpoint", where=EP)) for q in (0.5, 0.95, 0.99)
         ), "Whole request, received to answered."),
         Panel("p99 latency per document length", "s", (
-            ("{{length_bucket}} tokens", quantile(0.99, REQ, "length_bucket")),
-        ), "Length bucket: tokens of the request's longest document (block size doubling up to the model maximum)."),
+            ("{{length_bucket}}", quantile(0.99, REQ, "length_bucket", where=EP)),
+        ), "Length bucket: tokens of the request's longest document, le_N = at most N "
+           "(block size doubling up to the model maximum), gt_N = longer than the model (windows)."),
         Panel("p50 latency per document length", "s", (
-            ("{{length_bucket}} tokens", quantile(0.5, REQ, "length_bucket")),
+            ("{{length_bucket}}", quantile(0.5, REQ, "length_bucket", where=EP)),
         )),
-        Panel("Where the time goes (mean per request)", "s", (
-            ("tokenize", mean("longdoc_tokenize_duration_seconds", "job")),
-            ("queue", mean("longdoc_queue_duration_seconds", "job")),
-            ("inference", mean("longdoc_inference_duration_seconds", "job")),
-        ), "Queue vs inference: queue time growing while inference time stays flat means too few replicas.",
-            stack=True),
-        Panel("Queue vs inference p95", "s", (
-            ("queue p95", quantile(0.95, "longdoc_queue_duration_seconds", "job")),
-            ("inference p95", quantile(0.95, "longdoc_inference_duration_seconds", "job")),
+    )),
+    ("Where the time goes", (
+        Panel("Mean time per request by stage", "s", (
+            ("tokenize", mean("longdoc_tokenize_duration_seconds", "job", where=EP)),
+            ("queue", mean("longdoc_queue_duration_seconds", "job", where=EP)),
+            ("inference", mean("longdoc_inference_duration_seconds", "job", where=EP)),
+        ), "Queue time growing while inference time stays flat means too few replicas.", stack=True),
+        Panel("Queue vs inference (p95)", "s", (
+            ("queue p95", quantile(0.95, "longdoc_queue_duration_seconds", "job", where=EP)),
+            ("inference p95", quantile(0.95, "longdoc_inference_duration_seconds", "job", where=EP)),
         )),
+        Panel("Windows per request", "short", (
+            ("{{endpoint}} mean", mean("longdoc_windows_per_request", "endpoint", where=EP)),
+        ), "Documents longer than the model are split into overlapping windows."),
     )),
     ("Batching", (
         Panel("Batch size (sequences per batch)", "short", (
@@ -108,41 +114,44 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Padding waste", "percentunit", (
             ("{{model}} mean", mean("longdoc_padding_waste_ratio", "model")),
         ), "Share of the padded tokens that are padding; length buckets keep it low."),
-        Panel("Windows per request", "short", (
-            ("{{endpoint}} mean", mean("longdoc_windows_per_request", "endpoint")),
-        ), "Documents longer than the model are split into overlapping windows."),
     )),
-    ("Throughput and errors", (
-        Panel("Throughput (requests/s)", "reqps", (
-            ("{{endpoint}}", f"sum by (endpoint) (rate({REQ}_count{{{JOB}}}[{RATE}]))"),
-        ), "Requests answered per second (a request may carry several documents)."),
-        Panel("Throughput (tokens/s)", "short", (
-            ("{{model}} padded tokens/s", f"sum by (model) (rate(longdoc_batch_tokens_sum{{{JOB}}}[{RATE}]))"),
-            ("{{model}} windows/s", f"sum by (model) (rate(longdoc_windows_per_request_sum{{{JOB}}}[{RATE}]))"),
-        ), "Tokens run through the encoder (padded), and windows per second."),
+    ("Throughput", (
+        Panel("Requests per second", "reqps", (
+            ("{{endpoint}}", f"sum by (endpoint) (rate({REQ}_count{{{EP}}}[{RATE}]))"),
+        ), "Requests answered (a request may carry several documents)."),
+        Panel("Tokens per second (encoder, padded)", "short", (
+            ("{{model}}", f"sum by (model) (rate(longdoc_batch_tokens_sum{{{JOB}}}[{RATE}]))"),
+        ), "Tokens run through the encoder, padding included."),
+        Panel("Windows and generated tokens per second", "short", (
+            ("{{model}} windows/s", f"sum by (model) (rate(longdoc_windows_per_request_sum{{{EP}}}[{RATE}]))"),
+            ("{{model}} generated tokens/s", f"sum by (model) (rate(longdoc_generated_tokens_total{{{JOB}}}[{RATE}]))"),
+        )),
+    )),
+    ("Errors and availability", (
         Panel("Errors by reason", "reqps", (
-            ("{{reason}}", f"sum by (reason) (rate(longdoc_request_failures_total{{{JOB}}}[{RATE}]))"),
-        ), "validation 422, too_large 413, overloaded 429, timeout 504, unavailable 503, cancelled (client gone), internal 500.",
-            stack=True),
+            ("{{reason}}", f"sum by (reason) (rate(longdoc_request_failures_total{{{EP}}}[{RATE}]))"),
+        ), "validation 422, too_large 413, overloaded 429, timeout 504, unavailable 503, "
+           "cancelled (client gone), internal 500.", stack=True),
         Panel("Server error ratio", "percentunit", (
             ("{{endpoint}}",
-             f"sum by (endpoint) (rate(longdoc_request_failures_total{{{JOB},reason=~\"{SERVER_FAILURES}\"}}[{RATE}]))"
-             f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{JOB}}}[{RATE}])), 1e-9)"),
-        )),
+             f"sum by (endpoint) (rate(longdoc_request_failures_total{{{EP},reason=~\"{SERVER_FAILURES}\"}}[{RATE}]))"
+             f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{EP}}}[{RATE}])), 1e-9)"),
+        ), f"Failures for reasons {SERVER_FAILURES.replace('|', ', ')} per request answered."),
+        Panel("Ready replicas", "short", (
+            ("replicas up", f"sum(up{{{JOB}}})"),
+        ), "Replicas serving HTTP: a replica listens only once its models are loaded and warmed up, "
+           "and stops listening when it drains."),
     )),
     ("Saturation", (
         Panel("In-flight requests", "short", (
-            ("{{endpoint}}", f"sum by (endpoint) (longdoc_in_flight_requests{{{JOB}}})"),
+            ("{{endpoint}}", f"sum by (endpoint) (longdoc_in_flight_requests{{{EP}}})"),
         )),
-        Panel("Queue depth", "short", (
-            ("{{model}} sequences", f"sum by (model) (longdoc_queue_depth_requests{{{JOB}}})"),
+        Panel("Queue depth (sequences)", "short", (
+            ("{{model}}", f"sum by (model) (longdoc_queue_depth_requests{{{JOB}}})"),
         )),
         Panel("Queue depth (tokens)", "short", (
-            ("{{model}} tokens", f"sum by (model) (longdoc_queue_depth_tokens{{{JOB}}})"),
-        )),
-        Panel("Ready replicas", "short", (
-            ("ready", f"sum(up{{{JOB}}})"),
-        ), "Replicas whose /metrics is scraped."),
+            ("{{model}}", f"sum by (model) (longdoc_queue_depth_tokens{{{JOB}}})"),
+        ), "Over LONGDOC_MAX_QUEUE_TOKENS a model answers 429."),
     )),
 )
 
@@ -192,18 +201,32 @@ def dashboard() -> dict:
         "version": 1,
         "refresh": "30s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [{
-            "name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
-            "current": {}, "hide": 0,
-        }]},
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
+             "current": {}, "hide": 0},
+            {"name": "endpoint", "type": "query", "label": "Endpoint", "hide": 0,
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": {"query": f"label_values({REQ}_count{{{JOB}}}, endpoint)", "refId": "endpoint"},
+             "definition": f"label_values({REQ}_count{{{JOB}}}, endpoint)",
+             "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
+             "current": {"selected": True, "text": ["All"], "value": ["$__all"]}},
+        ]},
         "annotations": {"list": []},
         "panels": panels,
     }
 
 
-def dashboard_expressions() -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every target of the dashboard."""
-    return [(p.title, expr) for _, row in ROWS for p in row for _, expr in p.targets]
+def dashboard_expressions(rate_interval: str | None = None) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of the dashboard; with `rate_interval`, the Grafana
+    variables are filled in as Grafana would ($endpoint = All)."""
+    out = [(p.title, expr) for _, row in ROWS for p in row for _, expr in p.targets]
+    if rate_interval:
+        out = [(t, fill_variables(e, rate_interval)) for t, e in out]
+    return out
+
+
+def fill_variables(expr: str, rate_interval: str) -> str:
+    return expr.replace(RATE, rate_interval).replace("$endpoint", ".*")
 
 
 # ----------------------------------------------------------------------------------------------

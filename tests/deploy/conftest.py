@@ -17,13 +17,21 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
 
 
-def load_monitoring():
-    """deploy/monitoring/generate.py as a module (deploy/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("longdoc_deploy_monitoring", ROOT / "deploy/monitoring/generate.py")
+def load_script(relpath: str):
+    """A script of deploy/ as a module (deploy/ is not a package)."""
+    name = "longdoc_" + relpath.removesuffix(".py").replace("/", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_monitoring():
+    """deploy/monitoring/generate.py: the dashboard, rules and adapter rule as data."""
+    return load_script("deploy/monitoring/generate.py")
 
 
 def require_tool(name: str, why: str) -> str:

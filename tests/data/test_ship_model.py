@@ -18,7 +18,7 @@ def test_shrink_embedding_tables_keeps_outputs(tmp_path):
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", "S", 8])],
         [numpy_helper.from_array(table, "word_embeddings")])
     path = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     ids = np.array([[3, 7, 49]], np.int64)
     before = ort.InferenceSession(str(path)).run(None, {"ids": ids})[0]
     assert shrink_embedding_tables(path) == ["word_embeddings"]

@@ -76,7 +76,11 @@ def best_spans(
     max_answer_tokens: int,
     candidates: int = 20,
 ) -> list[Span]:
-    """The top_k best answer spans across all windows, at most max_answer_tokens long."""
+    """The top_k best answer spans across all windows, at most max_answer_tokens long.
+
+    Per window, the best `candidates` starts and ends are paired (a (k, k) score matrix) and
+    the window's top_k valid pairs kept: a span among the global top_k is among the top_k of
+    the window where it scores best, so this loses nothing but ties."""
     best: dict[tuple[int, int], Span] = {}
     for w, s_log, e_log in zip(windows, start_logits, end_logits):
         n = w.doc_end - w.doc_start
@@ -85,17 +89,21 @@ def best_spans(
         s = np.asarray(s_log[w.offset : w.offset + n], dtype=np.float64)  # document tokens only
         e = np.asarray(e_log[w.offset : w.offset + n], dtype=np.float64)
         k = min(candidates, n)
-        starts = np.argpartition(-s, k - 1)[:k]
-        ends = np.argpartition(-e, k - 1)[:k]
-        for i in starts:
-            for j in ends:
-                if j < i or j - i + 1 > max_answer_tokens:
-                    continue
-                ti, tj = w.doc_start + int(i), w.doc_start + int(j)
-                span = Span(offsets[ti][0], offsets[tj][1], float(s[i] + e[j]), ti, tj)
-                key = (span.start, span.end)
-                if key not in best or best[key].score < span.score:
-                    best[key] = span
+        starts = np.argpartition(-s, k - 1)[:k]  # (k,)
+        ends = np.argpartition(-e, k - 1)[:k]  # (k,)
+        length = ends[None, :] - starts[:, None] + 1  # (k, k)
+        score = s[starts][:, None] + e[ends][None, :]  # (k, k)
+        score = np.where((length >= 1) & (length <= max_answer_tokens), score, -np.inf).ravel()
+        keep = min(top_k, score.size)
+        for flat in np.argpartition(-score, keep - 1)[:keep]:
+            if not np.isfinite(score[flat]):
+                continue
+            i, j = starts[flat // k], ends[flat % k]
+            ti, tj = w.doc_start + int(i), w.doc_start + int(j)
+            span = Span(offsets[ti][0], offsets[tj][1], float(score[flat]), ti, tj)
+            key = (span.start, span.end)
+            if key not in best or best[key].score < span.score:
+                best[key] = span
     ranked = sorted(best.values(), key=lambda sp: (-sp.score, sp.start))
     return ranked[:top_k]
 

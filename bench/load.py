@@ -1,0 +1,212 @@
+"""Load generator for `longdoc serve` (asyncio + httpx, loopback only, bounded in requests and time).
+
+Starts the server itself (one subprocess per batching mode) on 127.0.0.1, sweeps client
+concurrency, and prints throughput and p50/p95/p99 latency, with dynamic batching on and off.
+Also measures the offline batched throughput of the same model (export.runtime.OnnxModel, no
+HTTP) and the service overhead: client latency minus the server's x-inference-time.
+
+    python bench/load.py --model-dir models/qa --doc-tokens 1024 --concurrency 1,4,16,32
+
+Numbers and the commands that produced them: docs/service.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+QUESTION = "where is the gold"
+
+
+def make_document(tokenizer, n_tokens: int, seed: int) -> str:
+    """A document of exactly n_tokens tokens (without specials), from the tokenizer's own words."""
+    vocab = [w for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+             if w.isalpha() and w.isascii() and len(w) > 1]
+    rng = np.random.default_rng(seed)
+    words = [vocab[i] for i in rng.integers(0, len(vocab), n_tokens * 2)]
+    text = " ".join(words[:n_tokens])
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    if len(enc.ids) > n_tokens:  # subword tokenizers: cut at the n-th token's end
+        text = text[: enc.offsets[n_tokens - 1][1]]
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, batching: bool, threads: int | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "longdoc", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", f"bench={model_dir}", "--log-level", "warning", *extra]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if not batching:
+        cmd.append("--no-batching")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready in 300 s")
+
+
+def request_for(task: str, doc: str) -> tuple[str, dict]:
+    if task == "qa":
+        return "/v1/qa", {"question": QUESTION, "document": doc}
+    if task == "classify":
+        return "/v1/classify", {"document": doc}
+    return "/v1/summarize", {"document": doc, "max_new_tokens": 32}
+
+
+async def sweep_point(url: str, task: str, docs: list[str], concurrency: int, n_requests: int,
+                      max_seconds: float) -> dict:
+    """n_requests requests from `concurrency` clients (or until max_seconds), closed loop."""
+    latencies, inference, codes = [], [], []
+    issued = 0
+    stop_at = time.monotonic() + max_seconds
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one_client():
+            nonlocal issued
+            while issued < n_requests and time.monotonic() < stop_at:
+                doc = docs[issued % len(docs)]
+                issued += 1
+                path, body = request_for(task, doc)
+                t = time.perf_counter()
+                r = await client.post(path, json=body)
+                latencies.append(time.perf_counter() - t)
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    inference.append(float(r.headers.get("x-inference-time", "nan")) / 1000)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ok = [lat for lat, c in zip(latencies, codes) if c == 200]
+    q = np.percentile(ok, [50, 95, 99]) if ok else [float("nan")] * 3
+    return {"concurrency": concurrency, "requests": len(codes), "ok": len(ok), "seconds": wall,
+            "throughput_rps": len(ok) / wall, "p50_ms": q[0] * 1000, "p95_ms": q[1] * 1000, "p99_ms": q[2] * 1000,
+            "inference_ms": statistics.fmean(inference) * 1000 if inference else float("nan")}
+
+
+def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: int, threads: int | None,
+                       max_seconds: float) -> float:
+    """Documents per second running the model directly in batches (no HTTP, no queue)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from export.runtime import OnnxModel
+
+    from service.windows import classify_windows, qa_windows
+
+    m = OnnxModel(model_dir, threads=threads)
+    tok = m.tokenizer
+    sp = m.manifest.special_tokens
+    cls = sp.get("cls") or tok.token_to_id("[CLS]")
+    sep = sp.get("sep") or tok.token_to_id("[SEP]")
+    q = tok.encode(QUESTION, add_special_tokens=False).ids
+    seqs = []
+    for doc in docs:
+        ids = tok.encode(doc, add_special_tokens=False).ids
+        if task == "qa":
+            seqs += [w.input_ids for w in qa_windows(q, ids, m.manifest.max_length, None, cls, sep)]
+        else:
+            seqs += classify_windows(ids, m.manifest.max_length, None, cls, sep)
+    per_doc = len(seqs) / len(docs)
+    longest = max(len(s) for s in seqs)
+    ids = np.zeros((batch_size, longest), np.int64)
+    mask = np.zeros_like(ids)
+    for i in range(batch_size):
+        s = seqs[i % len(seqs)]
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    m.run_encoder(ids, mask)  # warm
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < max_seconds or done == 0:
+        m.run_encoder(ids, mask)
+        done += batch_size
+    return done / per_doc / (time.perf_counter() - start)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True, help="an exported model directory (qa or classify)")
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=64, help="per sweep point")
+    ap.add_argument("--max-seconds", type=float, default=60, help="per sweep point")
+    ap.add_argument("--modes", default="on,off", help="dynamic batching: on, off or on,off")
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (server and offline)")
+    ap.add_argument("--offline-batch", type=int, default=8)
+    ap.add_argument("--overhead-doc-tokens", type=int, default=None,
+                    help="also measure service overhead at concurrency 1 on documents of this many tokens")
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+
+    from tokenizers import Tokenizer
+
+    manifest = json.loads((Path(args.model_dir) / "manifest.json").read_text())
+    task = manifest["task"]
+    tok = Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+    docs = [make_document(tok, args.doc_tokens, seed) for seed in range(16)]
+    results = {"task": task, "doc_tokens": args.doc_tokens, "cpu_count": os.cpu_count(), "modes": {}}
+    print(f"# {task} model {args.model_dir}: max_length {manifest['max_length']}, block {manifest['block_size']}, "
+          f"{manifest['num_layers']} layers, hidden {manifest['hidden_size']}; documents of {args.doc_tokens} tokens")
+
+    if task != "summarize":
+        rate = offline_throughput(args.model_dir, task, docs, args.offline_batch, args.threads, 10)
+        results["offline_docs_per_s"] = rate
+        print(f"offline batched (batch {args.offline_batch}, no HTTP): {rate:.2f} docs/s")
+
+    for mode in args.modes.split(","):
+        proc, url = start_server(args.model_dir, mode == "on", args.threads, [])
+        try:
+            rows = []
+            print(f"\n## dynamic batching {mode}\n")
+            print("| concurrency | requests | ok | throughput (req/s) | p50 ms | p95 ms | p99 ms | mean inference ms |")
+            print("|---|---|---|---|---|---|---|---|")
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                row = asyncio.run(sweep_point(url, task, docs, c, args.requests, args.max_seconds))
+                rows.append(row)
+                print(f"| {c} | {row['requests']} | {row['ok']} | {row['throughput_rps']:.2f} | {row['p50_ms']:.0f} | "
+                      f"{row['p95_ms']:.0f} | {row['p99_ms']:.0f} | {row['inference_ms']:.0f} |", flush=True)
+            results["modes"][mode] = rows
+            if mode == "on" and args.overhead_doc_tokens:
+                long_docs = [make_document(tok, args.overhead_doc_tokens, 100 + s) for s in range(4)]
+                row = asyncio.run(sweep_point(url, task, long_docs, 1, 8, args.max_seconds))
+                overhead = (row["p50_ms"] - row["inference_ms"]) / row["inference_ms"]
+                results["overhead"] = dict(row, overhead_ratio=overhead, doc_tokens=args.overhead_doc_tokens)
+                print(f"\nservice overhead at {args.overhead_doc_tokens} tokens, concurrency 1: p50 {row['p50_ms']:.0f} ms, "
+                      f"server inference {row['inference_ms']:.0f} ms -> overhead {100 * overhead:.1f}% of inference")
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    if "offline_docs_per_s" in results and "on" in results["modes"]:
+        best = max(r["throughput_rps"] for r in results["modes"]["on"])
+        print(f"\nbest service throughput with batching / offline batched: {best / results['offline_docs_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

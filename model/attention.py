@@ -91,11 +91,12 @@ def block_sparse_attention(
     pen = penalty.view(B, nb, bs).index_select(1, key_blocks.reshape(H * nb * K))  # (B, H*nb*K, bs)
     pen = pen.view(B, H, nb, 1, K * bs)  # (B, H, nb, 1, K*bs)
     slot_valid = valid.view(1, H, nb, 1, K, 1).expand(1, H, nb, 1, K, bs).reshape(1, H, nb, 1, K * bs)
-    bias = pen.masked_fill(~slot_valid, _excluded(q.dtype))  # (B, H, nb, 1, K*bs)
     # the gathered blocks are K times the size of k / v: build each right where it is consumed
     # so that at most one of them is alive at a time (peak memory)
     # scale q rather than the K-times larger scores (exact for power-of-two scales, D = 64)
     scores = torch.matmul(qb * scale, _gather_blocks(k, flat, nb, K).transpose(-1, -2))  # (B, H, nb, bs, K*bs)
+    # bias in the scores' dtype (fp16 under autocast): its minimum must not round to -inf
+    bias = pen.to(scores.dtype).masked_fill(~slot_valid, _excluded(scores.dtype))  # (B, H, nb, 1, K*bs)
     scores += bias  # in place: matmul's backward needs its inputs, not its output
     probs = F.softmax(scores, dim=-1)  # (B, H, nb, bs, K*bs)
     del scores

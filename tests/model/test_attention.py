@@ -185,3 +185,29 @@ def test_gradients_match_dense_reference(pattern):
         grads.append([q.grad, k.grad, v.grad])
     for sparse_grad, dense_grad in zip(*grads):
         torch.testing.assert_close(sparse_grad, dense_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_stays_finite():
+    # padding slots must not become -inf in fp16/bf16 (a global row has only padding slots in
+    # the sparse part; -inf there would give NaN, and NaN gradients through the gather)
+    lt = layout_tensors(build_layout(AttentionSpec("bigbird", 4, 2, plan="hf-eval"), 10, 2, 0))
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 40, 8, 3))
+        key_mask = torch.ones(1, 40)
+        key_mask[0, -6:] = 0
+        out = block_sparse_attention(q, k, v, lt, key_mask)
+        out.float().sum().backward()
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        ref = dense_reference_attention(*(t.detach().float() for t in (q, k, v)), lt, key_mask)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_fp16_autocast_gradients_stay_finite():
+    # under autocast q is fp32 but the scores are fp16: the bias must be built in fp16
+    lt = layout_tensors(build_layout(AttentionSpec("bigbird", 4, 2, plan="hf-eval"), 10, 2, 0))
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 40, 8, 5))
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = block_sparse_attention(q, k, v, lt, torch.ones(1, 40))
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -10,14 +10,20 @@ exports to ONNX with the layout tensors as graph inputs.
 Masking follows transformers' block-sparse BigBird exactly, so padded batches match it:
 - a padded key adds ``MASK_PENALTY`` (-10000.0) to its logit (additive, not replace: a row whose
   keys are all padding gives the same softmax as without the mask, as in transformers);
-- padding slots of the table (``valid == False``) are removed outright (dtype minimum via Where),
-  they never count, even in a fully masked row;
+- padding slots of the table (``valid == False``) are removed outright (half the dtype minimum
+  via Where, finite so that adding a logit never gives -inf), they never count, even in a fully
+  masked row;
 - outputs at padded query positions are zero (transformers multiplies by ``from_mask``).
 transformers also multiplies its band/random masks by the query mask; that only changes rows of
 padded queries, whose outputs are zeroed anyway.
 
-The softmax scale (default 1/sqrt(D)) is applied inside, to the logits after q @ k^T, as
-transformers does.
+The softmax scale (default 1/sqrt(D)) is applied inside: to q before the sparse matmul (the
+scores are K times larger than q), to the logits in the global rows. transformers scales the
+logits; the two agree exactly for power-of-two scales (D = 64) and to an ulp otherwise.
+
+``block_sparse_attention`` reads ``key_blocks``, ``valid``, ``global_index`` and ``row_source``
+of a ``LayoutTensors``; ``global_rows`` (the same information as a mask) is what the dense
+oracle reads. Build all five with ``layout_tensors(layout)`` so they agree.
 """
 
 from __future__ import annotations

@@ -5,19 +5,25 @@
 
 BigBird-base shape (12 layers, hidden 768, 12 heads, block 64, 3 random blocks, block_sparse),
 batch 1, `torch.set_num_threads(--threads)` (2 by default), inference mode, eval mode for both
-(our plan "hf-eval" = the same random blocks as transformers in eval mode).
+(our plan "hf-eval" = the same random blocks as transformers in eval mode, so the outputs are
+compared too).
 
-Every (implementation, length) runs in a fresh subprocess, so one measurement cannot inherit the
-other's allocator state or peak. Memory: after loading and one warm-up forward, the process's
-peak resident set size is reset (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0) and read back
-(`VmHWM` in /proc/self/status) after the timed forwards; "peak activation memory" is that peak
-minus the resident size just before (weights and everything else already there). tracemalloc
-would miss torch's allocations.
+Latency: one fresh subprocess per length holds both models and alternates them (transformers,
+ours, ours, transformers, ...) after a warm-up each, so load changes on a shared machine hit both
+alike; the median of `--repeats` forwards each is reported.
+
+Peak memory: one fresh subprocess per (implementation, length). After loading, freed heap is
+returned to the OS (`malloc_trim`), the resident size is read (`VmRSS`), the peak resident size is
+reset (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0), one forward runs, and the peak is read
+back (`VmHWM`). "Peak activation memory" = peak - resident before: everything the forward
+allocated at its high point (tracemalloc would miss torch's allocations).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+IMPLS = ("transformers", "ours")
 
 
 def base_config(layers: int) -> dict:
@@ -45,45 +52,74 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure(impl: str, checkpoint: str, length: int, repeats: int, threads: int) -> dict:
-    """Runs in the child process."""
-    import torch
-
-    torch.set_num_threads(threads)
+def _load(impl: str, checkpoint: str):
     if impl == "transformers":
         from transformers import BigBirdModel
 
-        model = BigBirdModel.from_pretrained(checkpoint).eval()
-    else:
-        from model.checkpoint import load_pretrained
+        return BigBirdModel.from_pretrained(checkpoint).eval()
+    from model.checkpoint import load_pretrained
 
-        model = load_pretrained(checkpoint, plan="hf-eval", architecture="BigBirdModel")
-    g = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(5, 50000, (1, length), generator=g)
-    attention_mask = torch.ones_like(input_ids)
+    return load_pretrained(checkpoint, plan="hf-eval", architecture="BigBirdModel")
 
-    def run():
-        with torch.inference_mode():
-            if impl == "transformers":
-                return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            return model(input_ids, attention_mask).last_hidden_state
 
-    out = run()  # warm-up (layout building, allocator)
-    checksum = float(out.double().abs().mean())
-    Path("/proc/self/clear_refs").write_text("5")
+def _forward(impl: str, model, input_ids):
+    import torch
+
+    with torch.inference_mode():
+        if impl == "transformers":
+            return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
+        return model(input_ids, torch.ones_like(input_ids)).last_hidden_state
+
+
+def _inputs(length: int):
+    import torch
+
+    return torch.randint(5, 50000, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+def measure_latency(checkpoint: str, length: int, repeats: int, threads: int) -> dict:
+    """Child: both models, alternating forwards."""
+    import torch
+
+    torch.set_num_threads(threads)
+    models = {impl: _load(impl, checkpoint) for impl in IMPLS}
+    input_ids = _inputs(length)
+    outs = {impl: _forward(impl, models[impl], input_ids) for impl in IMPLS}  # warm-up
+    max_abs_diff = float((outs["transformers"] - outs["ours"]).abs().max())
+    times = {impl: [] for impl in IMPLS}
+    for r in range(repeats):
+        for impl in IMPLS if r % 2 == 0 else IMPLS[::-1]:
+            t0 = time.perf_counter()
+            _forward(impl, models[impl], input_ids)
+            times[impl].append(time.perf_counter() - t0)
+    return {"length": length, "threads": threads, "times_s": times,
+            "median_s": {impl: statistics.median(t) for impl, t in times.items()}, "max_abs_diff": max_abs_diff}
+
+
+def measure_memory(impl: str, checkpoint: str, length: int, threads: int) -> dict:
+    """Child: one model, one forward, peak resident memory above the loaded state."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model = _load(impl, checkpoint)
+    input_ids = _inputs(length)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss_before = _status_kib("VmRSS")
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
+    Path("/proc/self/clear_refs").write_text("5")
+    _forward(impl, model, input_ids)
     peak = _status_kib("VmHWM")
-    return {
-        "impl": impl, "length": length, "threads": threads, "times_s": times,
-        "median_s": statistics.median(times), "rss_before_mib": rss_before / 1024,
-        "peak_rss_mib": peak / 1024, "peak_activation_mib": (peak - rss_before) / 1024,
-        "checksum": checksum,
-    }
+    return {"impl": impl, "length": length, "rss_before_mib": rss_before / 1024, "peak_rss_mib": peak / 1024,
+            "peak_activation_mib": (peak - rss_before) / 1024}
+
+
+def _child(args: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--child", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    if proc.returncode:
+        sys.exit(f"{args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> None:
@@ -92,49 +128,50 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per measurement (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--impls", nargs="+", default=["transformers", "ours"], choices=["transformers", "ours"])
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--child", nargs=3, metavar=("IMPL", "CHECKPOINT", "LENGTH"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:
-        impl, checkpoint, length = args.child
-        print(json.dumps(measure(impl, checkpoint, int(length), args.repeats, args.threads)))
+        kind, *rest = args.child
+        if kind == "latency":
+            checkpoint, length = rest
+            result = measure_latency(checkpoint, int(length), args.repeats, args.threads)
+        else:
+            impl, checkpoint, length = rest
+            result = measure_memory(impl, checkpoint, int(length), args.threads)
+        print(json.dumps(result))
         return
 
     import torch
     from transformers import BigBirdConfig, BigBirdModel
 
-    results = []
+    latency, memory = {}, {}
+    common = ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         BigBirdModel(BigBirdConfig(**base_config(args.layers))).save_pretrained(tmp)
         for length in args.lengths:
-            for impl in args.impls:
-                cmd = [sys.executable, __file__, "--child", impl, tmp, str(length),
-                       "--repeats", str(args.repeats), "--threads", str(args.threads)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                      env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-                if proc.returncode:
-                    sys.exit(f"{impl} @ {length} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                results.append(r)
-                print(f"{impl:>12} {length:>5}: median {r['median_s']:.2f} s  runs {[round(t, 2) for t in r['times_s']]}"
-                      f"  peak activation {r['peak_activation_mib']:.0f} MiB  (peak RSS {r['peak_rss_mib']:.0f} MiB)",
-                      flush=True)
+            r = latency[length] = _child(["latency", tmp, str(length), *common])
+            print(f"{length:>5} latency: " + "  ".join(
+                f"{impl} median {r['median_s'][impl]:.2f} s {[round(t, 2) for t in r['times_s'][impl]]}" for impl in IMPLS)
+                + f"  max |diff| {r['max_abs_diff']:.1e}", flush=True)
+            for impl in IMPLS:
+                m = memory[impl, length] = _child(["memory", impl, tmp, str(length), *common])
+                print(f"{length:>5} memory: {impl} peak activation {m['peak_activation_mib']:.0f} MiB "
+                      f"(resident before {m['rss_before_mib']:.0f} MiB, peak {m['peak_rss_mib']:.0f} MiB)", flush=True)
 
-    print(f"\n| length | transformers median (s) | ours median (s) | speed-up | transformers peak act. (MiB) | ours peak act. (MiB) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    by = {(r["impl"], r["length"]): r for r in results}
+    print(f"\nthreads={args.threads}, layers={args.layers}, repeats={args.repeats}, batch 1\n")
+    print("| length | transformers median (s) | ours median (s) | speed-up | transformers peak act. (MiB) "
+          "| ours peak act. (MiB) | max abs diff |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for length in args.lengths:
-        t, o = by.get(("transformers", length)), by.get(("ours", length))
-        if t and o:
-            print(f"| {length} | {t['median_s']:.2f} | {o['median_s']:.2f} | {t['median_s'] / o['median_s']:.2f}x "
-                  f"| {t['peak_activation_mib']:.0f} | {o['peak_activation_mib']:.0f} |")
-            if abs(t["checksum"] - o["checksum"]) > 1e-4 * abs(t["checksum"]):
-                print(f"  WARNING: outputs differ at {length}: {t['checksum']} vs {o['checksum']}")
+        t, o = latency[length]["median_s"]["transformers"], latency[length]["median_s"]["ours"]
+        mt, mo = memory["transformers", length], memory["ours", length]
+        print(f"| {length} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {mt['peak_activation_mib']:.0f} "
+              f"| {mo['peak_activation_mib']:.0f} | {latency[length]['max_abs_diff']:.1e} |")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"latency": latency, "memory": [memory[k] for k in memory]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from service.metrics import Metrics
 from service.workers import EncoderBatch, GenerateParams, Worker
 
 log = logging.getLogger("longdoc.service")
+PER_TOKEN_OUTPUTS = {"start_logits", "end_logits", "last_hidden_state"}  # (B, S, ...): cut to each length
 
 
 class RequestState:
@@ -134,7 +135,7 @@ class EncoderBatcher:
         self._loop_task = asyncio.create_task(self._loop(), name=f"batcher-{self.model}")
 
     def healthy(self) -> bool:
-        return all(s.healthy for s in self.slots)
+        return all(s.healthy and s.worker.health() for s in self.slots)
 
     def _gauges(self) -> None:
         self.metrics.queue_requests.labels(self.model).set(len(self.policy))
@@ -239,7 +240,7 @@ class EncoderBatcher:
             s.finished = finished
             if not s.future.done():
                 n = len(s.input_ids)
-                s.future.set_result({k: v[i, :n] for k, v in out.items()})
+                s.future.set_result({k: v[i, :n] if k in PER_TOKEN_OUTPUTS else v[i] for k, v in out.items()})
         self._idle.put_nowait(slot)
         self._wake.set()
 
@@ -321,7 +322,7 @@ class DecodeScheduler:
         self._loop_task = asyncio.create_task(self._loop(), name=f"decoder-{self.model}")
 
     def healthy(self) -> bool:
-        return self.slot.healthy
+        return self.slot.healthy and self.slot.worker.health()
 
     def _queued_tokens(self) -> int:
         return sum(len(j.input_ids) for j in self.pending)

@@ -1,0 +1,284 @@
+"""Speed and memory of the exported BigBird (issue 3, "Speed and memory"). A script, not a test.
+
+BigBird-base shape (12 layers, hidden 768, 12 heads, block 64, r 3), random-init weights
+(transformers, seed 0), QA head, batch 1, 2 threads. Same weights, same run:
+
+    ours-fp32     our export (block-sparse lowered to Gather/MatMul, one dynamic graph), fp32
+    ours-int8     the same graph, ONNX Runtime dynamic int8 quantization of the dense MatMuls
+    hf-torch      transformers PyTorch, attention_type=block_sparse (eval mode)
+    hf-traced     transformers traced by torch.onnx.export at one fixed length (4096): what a user
+                  can do today; it runs at the traced length only (tried at the others: fails)
+    full-onnx     a full-attention export of the same weights (our builder, dense attention)
+
+Every measurement runs in a fresh subprocess (peak memory = that process's ru_maxrss; the
+activation peak is ru_maxrss minus the RSS after loading and one warm-up run... reported as
+"peak" = ru_maxrss and "act" = ru_maxrss - RSS after load). Median of --reps runs after one
+warm-up. Achieved GFLOP/s = model FLOPs (dense layers + the attention actually computed by
+the block-sparse pattern; full attention for full-onnx) / median latency.
+
+    .venv/bin/python bench/bench_export.py --work /tmp/longdoc-bench            # 1024..4096
+    .venv/bin/python bench/bench_export.py --work /tmp/longdoc-bench --long     # + 8192, 16384
+
+Writes docs/bench_export.md (table), docs/bench_export.json, docs/bench_export.png (log-log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("ours-fp32", "ours-int8", "hf-torch", "hf-traced", "full-onnx")
+E, L, H, I, BS, R = 768, 12, 12, 3072, 64, 3
+TRACED_LENGTH = 4096
+
+
+# --- FLOPs -----------------------------------------------------------------------------------
+
+def model_flops(S: int, full: bool) -> float:
+    """Multiply-adds x 2 of one forward at length S (batch 1), QA head included."""
+    dense = 2 * S * (4 * E * E + 2 * E * I)  # q, k, v, out; fc1, fc2
+    D = E // H
+    if full or S <= (5 + 2 * R) * BS:
+        attn = 2 * 2 * H * S * S * D
+    else:
+        nb = S // BS
+        sparse_rows = (nb - 2) * BS * (5 + R) * BS  # window 3 + 2 global + r random key blocks
+        global_rows = 2 * BS * S
+        attn = 2 * 2 * H * (sparse_rows + global_rows) * D
+    head = 2 * S * (2 * E * I) + 2 * S * E * 2
+    return L * (dense + attn) + head
+
+
+# --- preparation (parent process) -------------------------------------------------------------
+
+def prepare(work: Path, max_position: int, log) -> dict[str, Path]:
+    """Random-init checkpoints (sparse and original_full, same weights) and their exports."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from export.exporter import export_model
+    from tests.tiny_models import tiny_tokenizer
+
+    paths = {}
+    ck = work / f"ckpt-{max_position}"
+    if not (ck / "config.json").is_file():
+        log(f"creating random-init BigBird-base QA checkpoint (max_position {max_position}) in {ck}")
+        torch.manual_seed(0)
+        config = transformers.BigBirdConfig(max_position_embeddings=max_position, block_size=BS,
+                                            num_random_blocks=R, attention_type="block_sparse")
+        transformers.BigBirdForQuestionAnswering(config).eval().save_pretrained(ck)
+        tiny_tokenizer().save(str(ck / "tokenizer.json"))
+    paths["ckpt"] = ck
+    full_ck = work / f"ckpt-{max_position}-full"
+    if not (full_ck / "config.json").is_file():
+        full_ck.mkdir(parents=True, exist_ok=True)
+        for name in ("model.safetensors", "tokenizer.json"):
+            dst = full_ck / name
+            if not dst.exists():
+                os.symlink(ck / name, dst)
+        config = json.loads((ck / "config.json").read_text())
+        (full_ck / "config.json").write_text(json.dumps({**config, "attention_type": "original_full"}))
+    for kind, source, dtype in (("ours-fp32", ck, "fp32"), ("ours-int8", ck, "int8"), ("full-onnx", full_ck, "fp32")):
+        out = work / f"{kind}-{max_position}"
+        if not (out / "manifest.json").is_file():
+            log(f"exporting {kind} -> {out}")
+            export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m))
+        paths[kind] = out
+    return paths
+
+
+def trace_export(ckpt: Path, out: Path, S: int, log) -> Path:
+    """transformers traced by torch.onnx.export at a fixed length (TorchScript exporter)."""
+    path = out / "model.onnx"
+    if path.is_file():
+        return path
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = transformers.BigBirdForQuestionAnswering.from_pretrained(str(ckpt)).eval()
+    ids = torch.randint(100, 30000, (1, S))
+    log(f"torch.onnx.export of transformers at fixed length {S} -> {path}")
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.onnx.export(model, (ids, torch.ones_like(ids)), str(path), input_names=["input_ids", "attention_mask"],
+                          output_names=["start_logits", "end_logits"], opset_version=17, dynamo=False)
+    log(f"  traced in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+# --- one measurement (child process) ------------------------------------------------------------
+
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(100, 30000, (1, S)).astype(np.int64)
+    mask = np.ones_like(ids)
+    if kind == "hf-torch":
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        model = transformers.BigBirdForQuestionAnswering.from_pretrained(path).eval()
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+
+        def run():
+            model.bert.set_attention_type("block_sparse")
+            with torch.no_grad():
+                model(input_ids=t_ids, attention_mask=t_mask)
+    elif kind == "hf-traced":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+        def run():
+            session.run(None, {"input_ids": ids, "attention_mask": mask})
+    else:
+        sys.path.insert(0, str(ROOT))
+        from export.runtime import OnnxModel
+
+        model = OnnxModel(path, threads=threads)
+
+        def run():
+            model.run_encoder(ids, mask)
+    rss_loaded = _rss_gib()
+    start = time.perf_counter()
+    run()  # warm-up (and layout build)
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"kind": kind, "length": S, "times": times, "warmup": warm, "median": float(np.median(times)),
+            "peak_gib": peak, "loaded_gib": rss_loaded, "act_gib": peak - rss_loaded}
+
+
+def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--measure", kind, "--path", str(path), "--length", str(S),
+           "--reps", str(reps), "--threads", str(threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"kind": kind, "length": S, "error": f"timeout after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def write_report(results: list[dict], out_dir: Path, header: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_export.json").write_text(json.dumps(results, indent=1))
+    lines = [header, "", "| length | kind | median s | tokens/s | peak RSS GiB | act. GiB | GFLOP/s | note |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+        if "error" in r:
+            lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | {r['error']} |")
+            continue
+        flops = model_flops(r["length"], full=r["kind"] == "full-onnx")
+        lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['length'] / r['median']:.0f} | "
+                     f"{r['peak_gib']:.2f} | {r['act_gib']:.2f} | {flops / r['median'] / 1e9:.0f} | "
+                     f"runs {', '.join(f'{t:.2f}' for t in r['times'])} |")
+    (out_dir / "bench_export.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for kind in KINDS:
+        rows = sorted((r for r in results if r["kind"] == kind and "error" not in r), key=lambda r: r["length"])
+        if rows:
+            xs = [r["length"] for r in rows]
+            ax1.plot(xs, [r["median"] for r in rows], "o-", label=kind)
+            ax2.plot(xs, [r["peak_gib"] for r in rows], "o-", label=kind)
+    for ax, label in ((ax1, "median latency (s)"), (ax2, "peak RSS (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend()
+    fig.suptitle("BigBird-base QA, batch 1, 2 threads (CPU)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench_export.png", dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/longdoc-bench"))
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--long", action="store_true", help="also 8192 and 16384 (max_position_embeddings 16384)")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--full-max", type=int, default=8192, help="longest length for full-onnx (memory)")
+    p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.path, args.length, args.reps, args.threads)))
+        return 0
+
+    def log(msg):
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    kinds = args.kinds.split(",")
+    args.work.mkdir(parents=True, exist_ok=True)
+    plans = [(4096, [int(x) for x in args.lengths.split(",")])]
+    if args.long:
+        plans.append((16384, [8192, 16384]))
+    results = []
+    for max_position, lengths in plans:
+        paths = prepare(args.work, max_position, log)
+        if "hf-traced" in kinds and max_position == 4096:
+            paths["hf-traced"] = trace_export(paths["ckpt"], args.work / "hf-traced", TRACED_LENGTH, log)
+        for S in lengths:
+            for kind in kinds:
+                if kind == "full-onnx" and S > args.full_max:
+                    results.append({"kind": kind, "length": S, "error": f"not run (> --full-max {args.full_max}: "
+                                    "the dense score tensor alone is 12 * S^2 * 4 bytes)"})
+                    continue
+                if kind == "hf-traced" and max_position != 4096:
+                    continue
+                path = paths["ckpt"] if kind == "hf-torch" else paths[kind]
+                reps = 1 if kind == "hf-traced" and S != TRACED_LENGTH else args.reps
+                log(f"{kind} at {S} tokens ({reps} runs)")
+                r = run_child(kind, path, S, reps, args.threads, args.timeout)
+                log(f"  -> {r.get('median', r.get('error'))}")
+                results.append(r)
+                header = (f"BigBird-base QA (random init), batch 1, {args.threads} threads, "
+                          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                          f"`{' '.join(['python', 'bench/bench_export.py'] + sys.argv[1:])}`")
+                write_report(results, args.out, header)
+    log(f"wrote {args.out / 'bench_export.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -176,3 +176,30 @@ def test_layers_share_shapes_so_tables_stack(pattern, head_config):
     layouts = [build_layout(spec, 11, 2, layer) for layer in range(4)]
     assert len({lay.key_blocks.shape for lay in layouts}) == 1
     assert len({tuple(lay.global_index) for lay in layouts}) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=st.sampled_from(
+        [("bigbird", "hf-train"), ("bigbird", "hf-eval"), ("bigbird", "seeded"), ("bigbird_etc", "seeded"), ("longformer", "seeded"), ("strided", "seeded")]
+    ),
+    n_blocks=st.integers(5, 48),
+    num_heads=st.integers(1, 3),
+    layer=st.integers(0, 7),
+    r=st.integers(1, 3),
+    window=st.sampled_from([1, 3, 5]),
+    globals_=st.lists(st.integers(-6, 5), min_size=1, max_size=3),
+)
+def test_every_non_global_row_holds_its_window_and_the_globals(case, n_blocks, num_heads, layer, r, window, globals_):
+    pattern, plan = case
+    if pattern == "bigbird" and plan != "seeded":
+        window, n_blocks = 3, max(n_blocks, 6 + 2 * r)  # transformers' only window; its sparse lengths
+    spec = AttentionSpec(pattern, 8, num_random_blocks=r, window_blocks=window, plan=plan, global_blocks=tuple(globals_), num_global_tokens=9)
+    layout = build_layout(spec, n_blocks, num_heads, layer)
+    g = np.flatnonzero(layout.global_rows)
+    assert g.size >= 1 or pattern == "strided"
+    for h in range(num_heads):
+        for i in np.flatnonzero(~layout.global_rows):
+            row = set(_rows(layout, h, i))
+            window_set = set(range(max(0, i - window // 2), min(n_blocks, i + window // 2 + 1)))
+            assert window_set <= row and set(g.tolist()) <= row

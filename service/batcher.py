@@ -388,10 +388,11 @@ class DecodeScheduler:
         if room <= 0 or not self.pending:
             self._gauges()
             return
-        beams = [j for j in self.pending if j.params.num_beams > 1]
-        if beams and not self.running:  # beam search runs alone, whole (no step-level joining)
-            job = beams[0]
-            self.pending.remove(job)
+        head = self.pending[0]
+        if head.params.num_beams > 1:  # beam search runs alone and whole, in FIFO order:
+            if self.running:  # let the running batch finish first, admit nobody past it
+                return
+            job = self.pending.pop(0)
             self._gauges()
             job.started = time.monotonic()
             try:
@@ -404,9 +405,11 @@ class DecodeScheduler:
                 job.tokens.put_nowait(int(t))
             self._finish(job, None)
             return
-        joining = [j for j in self.pending if j.params.num_beams == 1][:room]
-        if not joining:
-            return
+        joining = []
+        for j in self.pending:  # greedy requests up to the next beam-search one
+            if j.params.num_beams > 1 or len(joining) == room:
+                break
+            joining.append(j)
         for j in joining:
             self.pending.remove(j)
         self._gauges()

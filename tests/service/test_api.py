@@ -373,3 +373,23 @@ def test_metrics_multiprocess_mode(tmp_path):
     assert out.returncode == 0, out.stderr
     assert 'longdoc_request_failures_total{endpoint="qa",reason="timeout"} 3.0' in out.stdout
     assert list(tmp_path.glob("*.db"))  # values live in the shared directory
+
+
+def test_beam_search_waits_its_turn_and_is_not_starved():
+    factory = fake_factory(summarize={"delay_s": 0.01, "summary_tokens": 10})
+
+    async def go():
+        async with running_app(factory) as c:
+            post = lambda **kw: c.post("/v1/summarize", json={"document": filler(20), **kw})  # noqa: E731
+            first = asyncio.create_task(post())
+            await asyncio.sleep(0.03)
+            beam = asyncio.create_task(post(num_beams=4, max_new_tokens=5))
+            await asyncio.sleep(0.01)
+            later = asyncio.create_task(post(max_new_tokens=3))
+            return await first, await beam, await later
+
+    first, beam, later = run(go())
+    assert [r.status_code for r in (first, beam, later)] == [200, 200, 200]
+    assert beam.json()["results"][0]["summary"] == filler(5)
+    steps = [w for w in factory.made if w.info.task == "summarize"][0].steps
+    assert max(steps) == 1  # the later greedy request did not join past the beam request

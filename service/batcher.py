@@ -434,6 +434,7 @@ class DecodeScheduler:
         self.running = live
         if not live:
             return
+        self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
         logits = await self.slot.call(self.slot.worker.step, [j.state for j in live], [j.last for j in live])
         still = []
         for job, row in zip(live, logits):

@@ -59,7 +59,7 @@ class Metrics:
         )
         size_buckets = sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch_size})
         self.batch_size = Histogram(
-            "longdoc_batch_size", "Sequences per batch run.", ("model",), buckets=size_buckets, registry=r
+            "longdoc_batch_size", "Sequences per batch run (summarize: per decoder step).", ("model",), buckets=size_buckets, registry=r
         )
         tok_buckets = sorted({max_batch_tokens // 2**k for k in range(8) if max_batch_tokens // 2**k > 0})
         self.batch_tokens = Histogram(

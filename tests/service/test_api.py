@@ -258,6 +258,10 @@ def test_models_health_and_metrics():
         assert name in text, name
     assert 'longdoc_request_failures_total{endpoint="qa",reason="validation"} 1.0' in text
     assert 'length_bucket="le_8"' in text
+    from prometheus_client.parser import text_string_to_metric_families  # what a scraper parses
+
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {"longdoc_request_duration_seconds", "longdoc_request_failures", "longdoc_queue_depth_tokens"} <= families
     assert not app.state.service.is_ready()  # lifespan over: shut down
 
 

@@ -12,11 +12,11 @@ from collections import Counter, defaultdict
 
 import onnx
 
-MIN_OPSET = 17
+MIN_OPSET = 17  # export/graph.py writes opset 20 (Gelu)
 # element-wise arithmetic, shape plumbing, the attention kernels, normalisation, and the
 # ops ONNX Runtime's dynamic int8 quantization inserts (all in the default domain)
 ALLOWED_OPS = frozenset("""
-Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Exp Log Abs Max Min Equal Less LessOrEqual Greater
+Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Equal Less LessOrEqual Greater
 GreaterOrEqual And Or Not Where Cast Identity
 Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
 MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax LayerNormalization

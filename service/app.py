@@ -76,6 +76,7 @@ class Service:
         self.tokenizer_pool: ThreadPoolExecutor | None = None
         self.ready = False
         self.draining = False
+        self.drain_deadline = float("inf")
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
 
@@ -122,11 +123,17 @@ class Service:
             worker.warmup()
         return worker
 
+    def begin_drain(self) -> None:
+        """Shutdown begins (SIGTERM): not ready, no new requests; the grace period starts now."""
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
+
     async def stop(self) -> None:
-        self.draining = True
+        self.begin_drain()
         self.ready = False
-        for m in self.models.values():
-            await m.engine.drain(self.settings.shutdown_grace_s)
+        for m in self.models.values():  # whatever is still queued, within what is left of the grace
+            await m.engine.drain(max(0.0, self.drain_deadline - time.monotonic()))
         for m in self.models.values():
             await m.engine.close()
         if self.tokenizer_pool:

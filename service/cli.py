@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: /readyz says no at once, then drain
-            app.state.service.draining = True
+            app.state.service.begin_drain()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,

@@ -194,9 +194,10 @@ def test_overload_gives_429_with_retry_after():
             reqs = [c.post("/v1/qa", json={"question": "q", "document": filler(50)}) for _ in range(20)]
             return await asyncio.gather(*reqs)
 
-    codes = [r.status_code for r in run(go())]
+    responses = run(go())
+    codes = [r.status_code for r in responses]
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
-    r = [r for r in run(go()) if r.status_code == 429][0]
+    r = [r for r in responses if r.status_code == 429][0]
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "overloaded"
 
 
@@ -294,7 +295,7 @@ def test_batching_off_runs_one_by_one():
 def test_draining_is_not_ready_and_refuses_new_work():
     async def go():
         async with running_app() as c:
-            c.app.state.service.draining = True  # what SIGTERM does first (service/cli.py)
+            c.app.state.service.begin_drain()  # what SIGTERM does first (service/cli.py)
             return await c.get("/readyz"), await c.post("/v1/qa", json={"question": "q", "document": "gold"})
 
     ready, post = run(go())

@@ -99,19 +99,34 @@ def render(dashboard: dict, prometheus: str, start: float, end: float, out: Path
             n = 0
             colors: dict[str, str] = {}  # one colour per series key (first legend word), one dash per target
             palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+            # targets that share their legend's first word (e.g. "{{model}} mean" / "{{model}} p95")
+            # differ by dash; targets with their own names are all solid
+            keys = [t.get("legendFormat", "").split(" ")[0] for t in panel["targets"]]
+            dashed = len(set(keys)) < len(keys)
+            stacked = panel["fieldConfig"]["defaults"].get("custom", {}).get("stacking", {}).get("mode") == "normal"
+            lines = []  # (label, times, values, colour, dash)
             for k, target in enumerate(panel["targets"]):
                 expr = fill_variables(target["expr"], dashboard, rate_interval)
                 results = query_range(prometheus, expr, start, end, step)
                 labelled = sorted(((legend(target.get("legendFormat", ""), s["metric"]), s) for s in results),
                                   key=lambda item: _sort_key(item[0]))
                 for label, series in labelled:
-                    xs = [datetime.fromtimestamp(float(t)) for t, _ in series["values"]]
-                    ys = [float(v) for _, v in series["values"]]
-                    ys = [y if math.isfinite(y) else float("nan") for y in ys]
+                    ts = [float(t) for t, _ in series["values"]]
+                    ys = [float(v) if math.isfinite(float(v)) else float("nan") for _, v in series["values"]]
                     key = label.split(" ")[0] if len(panel["targets"]) > 1 else label
                     color = colors.setdefault(key, palette[len(colors) % len(palette)])
-                    ax.plot(xs, ys, linewidth=1.4, color=color, linestyle=("-", "--", ":")[k % 3], label=label)
-                    n += 1
+                    lines.append((label, ts, ys, color, ("-", "--", ":")[k % 3] if dashed else "-"))
+            n = len(lines)
+            if stacked and lines:  # as Grafana's "normal" stacking: areas on a common time axis
+                grid_ts = sorted({t for _, ts, _, _, _ in lines for t in ts})
+                values = [[dict(zip(ts, ys)).get(t, 0.0) for t in grid_ts] for _, ts, ys, _, _ in lines]
+                values = [[0.0 if math.isnan(v) else v for v in row] for row in values]
+                ax.stackplot([datetime.fromtimestamp(t) for t in grid_ts], values, labels=[l[0] for l in lines],
+                             colors=[l[3] for l in lines], alpha=0.75)
+            else:
+                for label, ts, ys, color, dash in lines:
+                    ax.plot([datetime.fromtimestamp(t) for t in ts], ys, linewidth=1.4, color=color, linestyle=dash,
+                            label=label)
             counts[panel["title"]] = n
             ax.set_title(panel["title"], fontsize=10.5, loc="left")
             ax.yaxis.set_major_formatter(_format_unit(panel["fieldConfig"]["defaults"].get("unit", "short")))

@@ -179,7 +179,8 @@ def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: f
     except subprocess.TimeoutExpired:
         return {"kind": kind, "length": S, "error": f"timeout after {timeout:.0f} s"}
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        lines = proc.stderr.strip().splitlines() or ["?"]
+        tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x), lines[-1])
         return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -220,7 +221,8 @@ def write_report(results: list[dict], out_dir: Path, header: str) -> None:
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    ax1.legend()
+    if ax1.lines:
+        ax1.legend()
     fig.suptitle("BigBird-base QA, batch 1, 2 threads (CPU)")
     fig.tight_layout()
     fig.savefig(out_dir / "bench_export.png", dpi=110)

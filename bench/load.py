@@ -174,6 +174,24 @@ def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: i
     return done / per_doc / (time.perf_counter() - start)
 
 
+BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                   block_size=64, num_random_blocks=3, max_position_embeddings=4096)
+
+
+def make_bench_model(directory: str, task: str) -> None:
+    """A random-weight BigBird of BENCH_MODEL's shape (block 64, up to 4096 tokens), exported.
+    Needs torch + transformers (the dev install); the numbers do not depend on the weights."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from export.exporter import export_model
+    from tests.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    checkpoint = make_tiny_checkpoint(Path(directory + "-checkpoint"), task, **BENCH_MODEL)
+    export_model(checkpoint, Path(directory), task, dtype="fp32", plan="hf-train", progress=print)
+
+
 def main() -> int:
     import signal
 
@@ -195,7 +213,11 @@ def main() -> int:
     ap.add_argument("--open-loop-fraction", type=float, default=0.7,
                     help="with batching on, also send Poisson arrivals at this fraction of the best throughput")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--make-model", metavar="TASK", help="first export a random bench model of this task "
+                    "(qa or classify) to --model-dir (needs torch)")
     args = ap.parse_args()
+    if args.make_model:
+        make_bench_model(args.model_dir, args.make_model)
 
     from tokenizers import Tokenizer
 

@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-import pytest
 import uvicorn
 
 from service.app import create_app
@@ -44,11 +43,6 @@ async def running_app(factory=None, **overrides):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             client.app = app
             yield client
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def free_port() -> int:

@@ -12,7 +12,8 @@ Latency: one fresh subprocess per length holds both models and alternates them (
 ours, ours, transformers, ...) after a warm-up each, so load changes on a shared machine hit both
 alike; the median of `--repeats` forwards each is reported.
 
-Peak memory: one fresh subprocess per (implementation, length). After loading, freed heap is
+Peak memory: one fresh subprocess per (implementation, length). After loading (and reading every
+weight once, so lazily mapped weights are resident before the forward), freed heap is
 returned to the OS (`malloc_trim`), the resident size is read (`VmRSS`), the peak resident size is
 reset (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0), one forward runs, and the peak is read
 back (`VmHWM`). "Peak activation memory" = peak - resident before: everything the forward
@@ -103,6 +104,9 @@ def measure_memory(impl: str, checkpoint: str, length: int, threads: int) -> dic
     torch.set_num_threads(threads)
     model = _load(impl, checkpoint)
     input_ids = _inputs(length)
+    # page every weight in (a loader may map the file lazily), so the peak counts activations only
+    with torch.inference_mode():
+        sum(float(t.abs().sum()) for t in model.state_dict().values() if t.is_floating_point())
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss_before = _status_kib("VmRSS")

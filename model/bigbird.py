@@ -25,7 +25,7 @@ with stacked per-layer layout tensors for ONNX export (dynamic length, layout as
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch

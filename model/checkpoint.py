@@ -89,7 +89,6 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
         config = cfg_cls.from_dict(cfg_dict)
     except (TypeError, ValueError) as e:
         raise LoadError(f"{d / CONFIG_NAME}: invalid {cfg_cls.__name__}: {e}") from None
-    module = _construct(cls, config, plan)
     state = read_state_dict(d)
     if (
         cls.__name__ == "BigBirdModel"
@@ -98,6 +97,10 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
     ):
         # the bare encoder out of a task checkpoint: keep the encoder, drop the head by name
         state = {k[len("bert.") :]: v for k, v in state.items() if k.startswith("bert.")}
+    if cls.__name__ == "BigBirdModel" and "pooler.weight" not in state:
+        module = cls(config, plan=plan, add_pooling_layer=False)  # e.g. the encoder of a QA checkpoint
+    else:
+        module = _construct(cls, config, plan)
     ignored = IGNORED_ALWAYS + IGNORED_BY_ARCHITECTURE.get(arch, ()) + tuple(getattr(cls, "IGNORED_KEYS", ()))
     load_state_dict_strict(module, state, ignored=ignored, source=str(d))
     return module.eval()

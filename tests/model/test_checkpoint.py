@@ -89,6 +89,10 @@ def test_bare_encoder_from_a_task_checkpoint(hf_checkpoint):
     enc = load_pretrained(ckpt.directory, architecture="BigBirdModel")
     ref = ckpt.reference(False).state_dict()
     assert torch.equal(enc.encoder.layer[1].output.dense.weight, ref["bert.encoder.layer.1.output.dense.weight"])
+    assert torch.equal(enc.pooler.weight, ref["bert.pooler.weight"])
+    # a QA checkpoint has no pooler: its encoder comes without one
+    qa_enc = load_pretrained(hf_checkpoint("BigBirdForQuestionAnswering").directory, architecture="BigBirdModel")
+    assert qa_enc.pooler is None and qa_enc(torch.tensor([[70, 71, 72]])).pooler_output is None
 
 
 # ---------------------------------------------------------------------------------------------

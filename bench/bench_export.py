@@ -10,9 +10,9 @@ BigBird-base shape (12 layers, hidden 768, 12 heads, block 64, r 3), random-init
                   can do today; it runs at the traced length only (tried at the others: fails)
     full-onnx     a full-attention export of the same weights (our builder, dense attention)
 
-Every measurement runs in a fresh subprocess (peak memory = that process's ru_maxrss; the
-activation peak is ru_maxrss minus the RSS after loading and one warm-up run... reported as
-"peak" = ru_maxrss and "act" = ru_maxrss - RSS after load). Median of --reps runs after one
+Every measurement runs in a fresh subprocess: "peak" = that process's peak RSS (VmHWM, i.e.
+ru_maxrss without the fork+exec carry-over), "act" = peak minus the RSS once the model is
+loaded (activations and workspace). Median of --reps runs after one
 warm-up. Achieved GFLOP/s = model FLOPs (dense layers + the attention actually computed by
 the block-sparse pattern; full attention for full-onnx) / median latency.
 
@@ -122,6 +122,16 @@ def _rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def _peak_gib() -> float:
+    """VmHWM: this process's peak RSS. (ru_maxrss is not used: after fork + exec Linux carries
+    the forked parent's high-water mark over into the child's.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
     import numpy as np
 
@@ -165,7 +175,7 @@ def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = _peak_gib()
     return {"kind": kind, "length": S, "times": times, "warmup": warm, "median": float(np.median(times)),
             "peak_gib": peak, "loaded_gib": rss_loaded, "act_gib": peak - rss_loaded}
 
@@ -183,6 +193,56 @@ def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: f
         tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x), lines[-1])
         return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) -> None:
+    """docs/export.md's decision: the layout table as a graph input (cached per padded length)
+    against the same graph with the table baked in as constants for one bucket."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    sys.path.insert(0, str(ROOT))
+    from export.runtime import OnnxModel
+    from model.layout import _build_layout
+
+    m = OnnxModel(model_dir, threads=threads)
+    _build_layout.cache_clear()
+    start = time.perf_counter()
+    layout = m.layout_inputs(S, "block_sparse")
+    t_build = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(1000):
+        m.layout_inputs(S, "block_sparse")
+    t_hit = (time.perf_counter() - start) / 1000
+    print(f"layout for {S} tokens: built in {t_build * 1e3:.1f} ms, cache hit {t_hit * 1e6:.1f} us, "
+          f"{sum(a.nbytes for a in layout.values()) / 1024:.0f} KiB fed per call")
+    graph = onnx.load(str(Path(model_dir) / "encoder.onnx"))
+    graph.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in layout.items())
+    inputs = [i for i in graph.graph.input if i.name not in layout]
+    del graph.graph.input[:]
+    graph.graph.input.extend(inputs)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    start = time.perf_counter()
+    const = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    t_load = time.perf_counter() - start
+    ids = np.random.default_rng(0).integers(100, 30000, (1, S))
+    feed, _ = m._encoder_feed(ids, np.ones_like(ids))
+    const_feed = {k: v for k, v in feed.items() if k not in layout}
+    as_input, as_const = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a = m.sessions["encoder"].run(None, feed)
+        as_input.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        b = const.run(None, const_feed)
+        as_const.append(time.perf_counter() - start)
+    diff = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+    print(f"run at {S}: input median {np.median(as_input):.3f} s {[round(t, 3) for t in as_input]}; "
+          f"constants median {np.median(as_const):.3f} s {[round(t, 3) for t in as_const]}; "
+          f"constants session load {t_load:.1f} s; max |diff| {diff:.1e}")
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -238,7 +298,11 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--full-max", type=int, default=8192, help="longest length for full-onnx (memory)")
+    p.add_argument("--dense-max", type=int, default=8192,
+                   help="longest length for full-onnx and hf-torch: both hold a dense (H, S, S) fp32 "
+                        "attention tensor (transformers 5.x does even on the block-sparse path), 12.9 GB at 16384")
+    p.add_argument("--layout-check", type=int, metavar="LENGTH",
+                   help="only compare layout-as-input with layout-as-constants at LENGTH (ours-fp32)")
     p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -252,6 +316,10 @@ def main() -> int:
 
     kinds = args.kinds.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.layout_check:
+        paths = prepare(args.work, 4096, log)
+        layout_input_vs_constants(paths["ours-fp32"], args.layout_check, args.reps, args.threads)
+        return 0
     plans = [(4096, [int(x) for x in args.lengths.split(",")])]
     if args.long:
         plans.append((16384, [8192, 16384]))
@@ -262,9 +330,9 @@ def main() -> int:
             paths["hf-traced"] = trace_export(paths["ckpt"], args.work / "hf-traced", TRACED_LENGTH, log)
         for S in lengths:
             for kind in kinds:
-                if kind == "full-onnx" and S > args.full_max:
-                    results.append({"kind": kind, "length": S, "error": f"not run (> --full-max {args.full_max}: "
-                                    "the dense score tensor alone is 12 * S^2 * 4 bytes)"})
+                if kind in ("full-onnx", "hf-torch") and S > args.dense_max:
+                    results.append({"kind": kind, "length": S, "error": f"not run (> --dense-max {args.dense_max}: "
+                                    f"a dense 12 x S^2 fp32 attention tensor is {12 * 4 * S * S / 2**30:.1f} GiB)"})
                     continue
                 if kind == "hf-traced" and max_position != 4096:
                     continue

@@ -296,6 +296,7 @@ def main() -> int:
     p.add_argument("--long", action="store_true", help="also 8192 and 16384 (max_position_embeddings 16384)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--long-reps", type=int, default=1, help="timed runs at 8192/16384 (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--dense-max", type=int, default=8192,
@@ -337,7 +338,7 @@ def main() -> int:
                 if kind == "hf-traced" and max_position != 4096:
                     continue
                 path = paths["ckpt"] if kind == "hf-torch" else paths[kind]
-                reps = 1 if kind == "hf-traced" and S != TRACED_LENGTH else args.reps
+                reps = 1 if kind == "hf-traced" and S != TRACED_LENGTH else (args.reps if S <= 4096 else args.long_reps)
                 log(f"{kind} at {S} tokens ({reps} runs)")
                 r = run_child(kind, path, S, reps, args.threads, args.timeout)
                 log(f"  -> {r.get('median', r.get('error'))}")

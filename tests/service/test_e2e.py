@@ -123,12 +123,18 @@ def test_summarize_streaming_and_joining_match_offline_greedy(server, offline):
                     events.append((name, json.loads(line[6:])))
         results[i] = events
 
+    def steps_with_more_than_one():
+        one = metric(server.url, 'longdoc_batch_size_bucket{le="1.0",model="sum"}')
+        return metric(server.url, 'longdoc_batch_size_count{model="sum"}') - one
+
+    before = steps_with_more_than_one()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for i, t in enumerate(threads):  # staggered: later requests join a running decode batch
         t.start()
         time.sleep(0.02 * i)
     for t in threads:
         t.join(60)
+    assert steps_with_more_than_one() > before  # they did share decoder steps
     for i, doc in enumerate(docs):
         events = results[i]
         tokens = [d["id"] for name, d in events if name == "token"]

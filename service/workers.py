@@ -211,22 +211,78 @@ class OnnxWorker:
         self.model = None
 
 
+class IoBindingEncoder:
+    """The encoder through ONNX Runtime I/O binding: the layout tables (identical for every
+    batch of one padded length) are uploaded to the device once per length and bound as
+    OrtValues; only ids and masks are copied per run. Works on any execution provider (the
+    tests run it on CPU against `OnnxModel.run_encoder`). Uses OnnxModel's `_encoder_feed` and
+    `sessions` (export/runtime.py) to build exactly the inputs `run_encoder` would."""
+
+    def __init__(self, model, device_type: str = "cpu", device_id: int = 0, cache_size: int = 16):
+        import onnxruntime as ort
+
+        from export.sparse_attention import LAYOUT_INPUTS
+
+        self.ort = ort
+        self.model = model
+        self.session = model.sessions["encoder"]
+        self.device_type, self.device_id = device_type, device_id
+        self.layout_names = set(LAYOUT_INPUTS)
+        self.outputs = [n for n in model.manifest.outputs if n in {o.name for o in self.session.get_outputs()}]
+        self._layouts: dict[int, dict[str, Any]] = {}  # padded length -> name -> OrtValue on the device
+        self.cache_size = cache_size
+
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        feed, S = self.model._encoder_feed(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        padded = feed["input_ids"].shape[1]
+        binding = self.session.io_binding()
+        cached = self._layouts.get(padded)
+        if cached is None:
+            cached = {k: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), self.device_type, self.device_id)
+                      for k, v in feed.items() if k in self.layout_names}
+            if len(self._layouts) >= self.cache_size:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[padded] = cached
+        for name, value in feed.items():
+            if name in cached:
+                binding.bind_ortvalue_input(name, cached[name])
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in self.outputs:
+            binding.bind_output(name, "cpu")  # results come back to the host anyway
+        self.session.run_with_iobinding(binding)
+        result = {}
+        for name, value in zip(self.outputs, binding.copy_outputs_to_cpu()):
+            per_sequence = name == "logits" and self.model.manifest.task == "classify"
+            result[name] = value if per_sequence else value[:, :S]
+        return result
+
+
 class CudaWorker(OnnxWorker):
-    """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")); the model
-    directory should hold an fp16 export (`longdoc export --dtype fp16`). Untested here: the
-    development machine has no GPU. OnnxModel picks no device id yet, so only cuda / cuda:0
-    are accepted; I/O binding is not used yet (inputs are copied per run)."""
+    """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
+    through I/O binding (layout tables kept on the GPU per length). The model directory should
+    hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Not run here: the
+    development machine has no GPU (the I/O-binding path is tested on CPU). OnnxModel takes no
+    device id yet, so only cuda / cuda:0 are accepted."""
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
                  max_batch_tokens: int = 65536):
         if device not in ("cuda", "cuda:0"):
             raise ValueError(f"device {device}: only cuda:0 is supported (export.runtime has no device id)")
         super().__init__(name, directory, device="cuda", threads=threads, max_batch_tokens=max_batch_tokens)
+        self.encoder = IoBindingEncoder(self.model, "cuda", 0)
         if self.info.dtype != "fp16":
             import logging
 
             logging.getLogger("longdoc.service").warning("model %s on %s is %s, not fp16", name, device,
                                                          self.info.dtype)
+
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        try:
+            return self.encoder.run(batch)
+        except Exception:
+            self._healthy = False
+            raise
 
 
 def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Worker:

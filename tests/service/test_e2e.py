@@ -255,3 +255,24 @@ def test_sigterm_drains_in_flight_work_then_exits(tiny_summarize_dir, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_io_binding_encoder_matches_run_encoder(offline):
+    """The CUDA worker's I/O-binding path, run on the CPU provider: same outputs as run_encoder,
+    at a full-attention and a block-sparse length, twice (the second from the layout cache)."""
+    from service.workers import EncoderBatch, IoBindingEncoder
+
+    m = offline["qa"]
+    enc = IoBindingEncoder(m, "cpu")
+    rng = np.random.default_rng(0)
+    for length in (100, 300, 300):
+        ids = rng.integers(7, 200, (2, length))
+        mask = np.ones_like(ids)
+        mask[1, length // 2 :] = 0
+        types = np.zeros_like(ids)
+        got = enc.run(EncoderBatch(ids, mask, types))
+        want = m.run_encoder(ids, mask, types)
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+    assert len(enc._layouts) == 2

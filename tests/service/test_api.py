@@ -398,3 +398,20 @@ def test_beam_search_waits_its_turn_and_is_not_starved():
     assert beam.json()["results"][0]["summary"] == filler(5)
     steps = [w for w in factory.made if w.info.task == "summarize"][0].steps
     assert max(steps) == 1  # the later greedy request did not join past the beam request
+
+
+def test_one_worker_per_device_both_get_batches():
+    factory = fake_factory(qa={"delay_s": 0.05})
+
+    async def go():
+        async with running_app(factory, models={"qa": "qa"}, devices=["cpu", "cpu"], batching=False) as c:
+            rs = await asyncio.gather(*(c.post("/v1/qa", json={"question": "q", "document": "a gold"})
+                                        for _ in range(6)))
+            models = (await c.get("/v1/models")).json()["models"]
+            return rs, models
+
+    rs, models = run(go())
+    assert all(r.status_code == 200 for r in rs)
+    assert models[0]["devices"] == ["cpu", "cpu"]
+    workers = [w for w in factory.made if w.info.task == "qa"]
+    assert len(workers) == 2 and all(w.batches for w in workers)

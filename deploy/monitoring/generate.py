@@ -36,6 +36,11 @@ QUEUE_SATURATION = 0.8  # share of LONGDOC_MAX_QUEUE_TOKENS over which the queue
 SERVER_FAILURES = "overloaded|timeout|unavailable|internal"
 # HPA target: mean queue wait per request, per pod.
 HPA_METRIC = "longdoc_queue_wait_seconds"
+# Ready replicas: kube-state-metrics' count where it runs (exact: the pods' Ready condition);
+# elsewhere (compose, the tests) the replicas being scraped, since a replica listens only once its
+# models are loaded and warmed up and stops listening when it drains.
+READY_REPLICAS = f'sum(kube_deployment_status_replicas_ready{{deployment="longdoc"}}) or sum(up{{{JOB}}})'
+
 
 
 def max_queue_tokens() -> int:
@@ -138,9 +143,9 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
              f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{EP}}}[{RATE}])), 1e-9)"),
         ), f"Failures for reasons {SERVER_FAILURES.replace('|', ', ')} per request answered."),
         Panel("Ready replicas", "short", (
-            ("replicas up", f"sum(up{{{JOB}}})"),
-        ), "Replicas serving HTTP: a replica listens only once its models are loaded and warmed up, "
-           "and stops listening when it drains."),
+            ("ready", READY_REPLICAS),
+        ), "kube-state-metrics' ready replicas of the Deployment; without it, the replicas serving HTTP "
+           "(a replica listens only once its models are loaded and warmed up, and stops when it drains)."),
     )),
     ("Saturation", (
         Panel("In-flight requests", "short", (
@@ -289,10 +294,10 @@ def alerts() -> tuple[Alert, ...]:
         ),
         Alert(
             "LongdocNoReadyPods",
-            f"sum(up{{{JOB}}}) or vector(0)",
+            f"{READY_REPLICAS} or vector(0)",
             "== 0", "2m", "critical",
             "longdoc: no ready replica",
-            "No longdoc replica is being scraped: the service answers nothing.",
+            "No longdoc replica is ready: the service answers nothing.",
         ),
     )
 

@@ -130,7 +130,7 @@ def document(n_words: int, seed: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(n_words)) + " ."
 
 
-def load(base_url: str, duration_s: float, concurrency: int = 6, max_requests: int = 3000) -> dict[int, int]:
+def load(base_url: str, duration_s: float, concurrency: int = 6, max_requests: int = 20000) -> dict[int, int]:
     """Mixed requests for `duration_s` (bounded in time and count): QA across length buckets (short,
     multi-block, several windows), classification, short summaries, and some invalid bodies.
     Returns the count of each HTTP status."""

@@ -17,7 +17,7 @@ import pytest
 from tests.deploy import stack
 from tests.deploy.conftest import ROOT, load_script, require_tool
 
-LOAD_SECONDS = 25
+LOAD_SECONDS = 30
 RATE_WINDOW = "15s"  # what $__rate_interval becomes at a 1 s scrape interval
 LABELS = {"namespace": "longdoc-test", "pod": "longdoc-test-0"}  # as the ServiceMonitor's targets carry
 

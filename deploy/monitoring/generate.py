@@ -85,13 +85,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Request latency per endpoint (p50 / p95 / p99)", "s", tuple(
             (f"{{{{endpoint}}}} p{int(q * 100)}", quantile(q, REQ, "endpoint", where=EP)) for q in (0.5, 0.95, 0.99)
         ), "Whole request, received to answered."),
-        Panel("p99 latency per document length", "s", (
-            ("{{length_bucket}}", quantile(0.99, REQ, "length_bucket", where=EP)),
+        *(Panel(f"p{int(q * 100)} latency per document length", "s", (
+            ("{{length_bucket}}", quantile(q, REQ, "length_bucket", where=EP)),
         ), "Length bucket: tokens of the request's longest document, le_N = at most N "
-           "(block size doubling up to the model maximum), gt_N = longer than the model (windows)."),
-        Panel("p50 latency per document length", "s", (
-            ("{{length_bucket}}", quantile(0.5, REQ, "length_bucket", where=EP)),
-        )),
+           "(block size doubling up to the model maximum), gt_N = longer than the model (windows).")
+          for q in (0.5, 0.95, 0.99)),
     )),
     ("Where the time goes", (
         Panel("Mean time per request by stage", "s", (
@@ -167,11 +165,9 @@ def dashboard() -> dict:
         panels.append({"type": "row", "title": row_title, "id": panel_id, "collapsed": False,
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
         panel_id, y = panel_id + 1, y + 1
-        width = 24 // min(len(row_panels), 3)
+        width = 24 // len(row_panels)
         for i, p in enumerate(row_panels):
-            x = (i % 3) * width
-            if i and i % 3 == 0:
-                y += 8
+            x = i * width
             panels.append({
                 "type": "timeseries",
                 "title": p.title,

@@ -86,16 +86,18 @@ def render(dashboard: dict, prometheus: str, start: float, end: float, out: Path
             rows.append((p["title"], []))
         else:
             rows[-1][1].append(p)
-    cols = 3
-    grid = [(title, panels[i:i + cols]) for title, panels in rows for i in range(0, len(panels), cols)]
-    fig = plt.figure(figsize=(6.2 * cols, 3.5 * len(grid) + 1.0), dpi=90)
+    # each dashboard row is one figure row, its panels side by side as Grafana lays them out (gridPos.w)
+    grid = [(title, panels) for title, panels in rows if panels]
+    fig = plt.figure(figsize=(20, 3.6 * len(grid) + 1.0), dpi=90)
+    spec = fig.add_gridspec(len(grid), 24)
     fig.suptitle(f"{dashboard['title']}   ({datetime.fromtimestamp(start):%H:%M:%S} to "
                  f"{datetime.fromtimestamp(end):%H:%M:%S}, rate window {rate_interval})", fontsize=14, y=0.995)
     counts: dict[str, int] = {}
     last_row = None
     for r, (row_title, panels) in enumerate(grid):
         for c, panel in enumerate(panels):
-            ax = fig.add_subplot(len(grid), cols, r * cols + c + 1)
+            x, w = panel["gridPos"]["x"], panel["gridPos"]["w"]
+            ax = fig.add_subplot(spec[r, x:x + w])
             n = 0
             colors: dict[str, str] = {}  # one colour per series key (first legend word), one dash per target
             palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -134,6 +136,7 @@ def render(dashboard: dict, prometheus: str, start: float, end: float, out: Path
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
+            ax.set_xlim(datetime.fromtimestamp(start), datetime.fromtimestamp(end))
             if n == 0:
                 ax.text(0.5, 0.5, "No data", ha="center", va="center", transform=ax.transAxes, color="grey")
             elif n <= 12:

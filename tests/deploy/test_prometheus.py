@@ -95,7 +95,7 @@ def test_dashboard_renders_with_data_in_every_panel(scraped_load, monitoring, tm
     render = load_script("deploy/monitoring/render.py")
     prom, start, stop, _ = scraped_load
     out = tmp_path / "dashboard.png"
-    counts = render.render(monitoring.dashboard(), prom, start - 5, stop + 2, out, rate_interval=RATE_WINDOW,
+    counts = render.render(monitoring.dashboard(), prom, start, stop + 2, out, rate_interval=RATE_WINDOW,
                            step=1.0)
     assert out.stat().st_size > 50_000
     assert all(n > 0 for n in counts.values()), counts

@@ -232,3 +232,32 @@ def test_compose_wires_the_generated_files():
     assert "../deploy/base/grafana-dashboard.json" in mounts
     assert "./prometheus/rules.yml" in mounts
     assert compose["services"]["longdoc"]["build"]["dockerfile"] == "docker/Dockerfile"
+
+
+def test_dashboard_layout_and_variables(monitoring):
+    board = json.loads((ROOT / "deploy/base/grafana-dashboard.json").read_text())
+    panels = board["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        cell = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & cell, f"{p['title']} overlaps another panel"
+        cells |= cell
+    variables = {v["name"] for v in board["templating"]["list"]} | {"__rate_interval"}
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["targets"] and len({t["refId"] for t in p["targets"]}) == len(p["targets"])
+        for t in p["targets"]:
+            for used in re.findall(r"\$(\w+)", t["expr"]):
+                assert used in variables, f"{p['title']}: ${used} is not a dashboard variable"
+    # what the issue asks the dashboard to show, by metric
+    exprs = " ".join(e for _, e in monitoring.dashboard_expressions())
+    for metric in ("longdoc_request_duration_seconds_bucket", "longdoc_queue_duration_seconds",
+                   "longdoc_inference_duration_seconds", "longdoc_batch_size", "longdoc_batch_tokens",
+                   "longdoc_padding_waste_ratio", "longdoc_request_failures_total", "longdoc_in_flight_requests",
+                   "longdoc_queue_depth_requests", "longdoc_queue_depth_tokens", "up{"):
+        assert metric in exprs, metric
+    assert 'by (le, length_bucket)' in exprs and 'by (le, endpoint)' in exprs

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.conftest import OVERLAYS, ROOT, find, require_tool
+from tests.deploy.conftest import OVERLAYS, ROOT, find, load_monitoring, require_tool
 
 # Oldest and newest Kubernetes the manifests are meant for (autoscaling/v2, policy/v1 need >= 1.23;
 # 1.30 is the oldest minor still commonly supported).
@@ -110,6 +110,8 @@ def test_every_setting_is_a_real_service_setting(rendered, overlay, monkeypatch)
         monkeypatch.setenv(name, value)
     settings = Settings()  # parses every value as the service will
     assert settings.port == 8000 and settings.host == "0.0.0.0"
+    # the queue-saturation alert divides by the limit the pods really have
+    assert settings.max_queue_tokens == load_monitoring().max_queue_tokens()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

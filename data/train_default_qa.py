@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=90)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init", help="continue from this QA checkpoint instead of the MiniLM warm start")
+    parser.add_argument("--seed", type=int, default=0, help="data order (use a new one when continuing)")
     args = parser.parse_args(argv)
 
     import torch
@@ -38,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     from model.warmstart import warm_start
 
     torch.set_num_threads(args.threads)
-    warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)
-    cfg = TrainConfig(task="qa", model=CHECKPOINT, train=args.train, output=args.output,
+    if args.init is None:
+        warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)
+    cfg = TrainConfig(task="qa", model=args.init or CHECKPOINT, train=args.train, output=args.output,
                       max_length=args.max_length, batch_size=args.batch_size, max_steps=args.max_steps,
                       lr=args.lr, warmup_ratio=0.1, log_every=1, save_every=15, eval_every=0,
-                      keep_checkpoints=2, device="cpu", seed=0)
+                      keep_checkpoints=2, device="cpu", seed=args.seed)
     result = train(cfg)
     print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")
     return 0

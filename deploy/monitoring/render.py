@@ -9,13 +9,13 @@ tests/deploy/test_prometheus.py during a loopback load).
 
 from __future__ import annotations
 
-import warnings
 import argparse
 import json
 import math
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from pathlib import Path
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "base/grafana-dashboard.json"

@@ -170,13 +170,15 @@ def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
     start = time.perf_counter()
     run()  # warm-up (and layout build)
     warm = time.perf_counter() - start
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         run()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     peak = _peak_gib()
-    return {"kind": kind, "length": S, "times": times, "warmup": warm, "median": float(np.median(times)),
+    return {"kind": kind, "length": S, "times": times, "cpu": cpu, "median_cpu": float(np.median(cpu)),
+            "warmup": warm, "median": float(np.median(times)),
             "peak_gib": peak, "loaded_gib": rss_loaded, "act_gib": peak - rss_loaded}
 
 
@@ -247,19 +249,26 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
 
 # --- report ------------------------------------------------------------------------------------
 
-def write_report(results: list[dict], out_dir: Path, header: str) -> None:
+def write_report(results: list[dict], out_dir: Path, header: str, threads: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_export.json").write_text(json.dumps(results, indent=1))
-    lines = [header, "", "| length | kind | median s | tokens/s | peak RSS GiB | act. GiB | GFLOP/s | note |",
-             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = [header, "",
+             "wall = median wall-clock latency; cpu = median CPU seconds of the process per run (all threads): on a "
+             "shared, oversubscribed machine wall time inflates with other users' load, CPU time much less. "
+             "GFLOP/s (wall) = model FLOPs / wall; GFLOP/s (cpu) = model FLOPs / (cpu / threads), the rate while "
+             "on the cores.", "",
+             "| length | kind | wall s | cpu s | tokens/s (wall) | peak RSS GiB | act. GiB | GFLOP/s wall | GFLOP/s cpu | runs (wall s) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
         if "error" in r:
-            lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | {r['error']} |")
+            lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | - | - | {r['error']} |")
             continue
         flops = model_flops(r["length"], full=r["kind"] == "full-onnx")
-        lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['length'] / r['median']:.0f} | "
-                     f"{r['peak_gib']:.2f} | {r['act_gib']:.2f} | {flops / r['median'] / 1e9:.0f} | "
-                     f"runs {', '.join(f'{t:.2f}' for t in r['times'])} |")
+        on_core = r["median_cpu"] / threads
+        lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['median_cpu']:.2f} | "
+                     f"{r['length'] / r['median']:.0f} | {r['peak_gib']:.2f} | {r['act_gib']:.2f} | "
+                     f"{flops / r['median'] / 1e9:.0f} | {flops / on_core / 1e9:.0f} | "
+                     f"{', '.join(f'{t:.2f}' for t in r['times'])} |")
     (out_dir / "bench_export.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -268,14 +277,16 @@ def write_report(results: list[dict], out_dir: Path, header: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
     for kind in KINDS:
         rows = sorted((r for r in results if r["kind"] == kind and "error" not in r), key=lambda r: r["length"])
         if rows:
             xs = [r["length"] for r in rows]
             ax1.plot(xs, [r["median"] for r in rows], "o-", label=kind)
+            ax3.plot(xs, [r["median_cpu"] for r in rows], "o-", label=kind)
             ax2.plot(xs, [r["peak_gib"] for r in rows], "o-", label=kind)
-    for ax, label in ((ax1, "median latency (s)"), (ax2, "peak RSS (GiB)")):
+    for ax, label in ((ax1, "median wall latency (s)"), (ax3, "median CPU time per run (s)"),
+                      (ax2, "peak RSS (GiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")
@@ -346,7 +357,7 @@ def main() -> int:
                 header = (f"BigBird-base QA (random init), batch 1, {args.threads} threads, "
                           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
                           f"`{' '.join(['python', 'bench/bench_export.py'] + sys.argv[1:])}`")
-                write_report(results, args.out, header)
+                write_report(results, args.out, header, args.threads)
     log(f"wrote {args.out / 'bench_export.md'}")
     return 0
 

@@ -185,3 +185,26 @@ def test_forward_blocks_exports_to_onnx_with_dynamic_length(hf_checkpoint, tmp_p
             w = getattr(want, name)
             keep = (w > -1e5) & args[1].bool()
             assert (torch.from_numpy(g)[keep] - w[keep]).abs().max().item() <= 1e-5, (length, name)
+
+
+@pytest.mark.parametrize(
+    "arch, labels",
+    [
+        ("BigBirdForQuestionAnswering", {"start_positions": torch.tensor([30, 500]), "end_positions": torch.tensor([[35], [40]])}),
+        ("BigBirdForSequenceClassification", {"labels": torch.tensor([2, 0])}),
+        ("BigBirdForSequenceClassification", {"labels": torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])}),
+        ("BigBirdForMaskedLM", {"labels": torch.full((2, 180), -100).index_fill_(1, torch.tensor([3, 50, 170]), 70)}),
+    ],
+    ids=["qa", "classify-single", "classify-multi", "mlm"],
+)
+def test_losses_match_transformers(hf_checkpoint, arch, labels):
+    overrides = {"num_labels": 3} if arch.endswith("Classification") else {}
+    ckpt = hf_checkpoint(arch, block_size=16, num_random_blocks=1, **overrides)
+    ours = load_pretrained(ckpt.directory, plan="hf-eval")
+    ids, mask = random_batch(2, 180, pad_tail=9)
+    ids[:, 8] = SEP
+    with torch.no_grad():
+        want = ckpt.reference(train=False)(input_ids=ids, attention_mask=mask, **labels).loss
+        got = ours(ids, attention_mask=mask, **labels).loss
+    assert want is not None and got is not None
+    assert abs(want.item() - got.item()) <= 1e-5

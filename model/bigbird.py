@@ -478,7 +478,10 @@ class _Head(nn.Module):
     def attention_spec(self) -> AttentionSpec:
         return self.bert.attention_spec
 
-    def stacked_layouts(self, n_blocks: int, device="cpu"):
+    def layouts(self, n_blocks: int, device="cpu") -> list[LayoutTensors]:
+        return self.bert.layouts(n_blocks, device)
+
+    def stacked_layouts(self, n_blocks: int, device="cpu") -> dict[str, torch.Tensor]:
         return self.bert.stacked_layouts(n_blocks, device)
 
 

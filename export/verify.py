@@ -90,7 +90,6 @@ class Reference:
     def __init__(self, checkpoint_dir: Path, manifest, against: str):
         import torch
 
-        torch.set_grad_enabled(False)
         self.torch, self.manifest, self.against = torch, manifest, against
         plan = manifest.attention.get("plan", "hf-train")
         if against == "model":
@@ -111,24 +110,27 @@ class Reference:
     def encoder(self, ids, mask) -> dict[str, np.ndarray]:
         self._reset()
         t = self.torch
-        out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask))
+        with t.no_grad():  # local: verify runs inside other programs (tests) that train
+            out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask))
         return {name: getattr(out, name).float().numpy() for name in self.manifest.outputs}
 
     def decoder_logits(self, ids, mask, decoder_ids) -> np.ndarray:
         self._reset()
         t = self.torch
-        out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
-                          decoder_input_ids=t.from_numpy(decoder_ids))
+        with t.no_grad():
+            out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
+                              decoder_input_ids=t.from_numpy(decoder_ids))
         return out.logits.float().numpy()
 
     def generate(self, ids, mask, **options) -> list[list[int]]:
         self._reset()
         t = self.torch
-        if self.against == "transformers":
-            out = self.module.generate(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
-                                       do_sample=False, **options)
-        else:
-            out = self.module.generate(t.from_numpy(ids), t.from_numpy(mask), **options)
+        with t.no_grad():
+            if self.against == "transformers":
+                out = self.module.generate(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
+                                           do_sample=False, **options)
+            else:
+                out = self.module.generate(t.from_numpy(ids), t.from_numpy(mask), **options)
         return out.tolist()
 
 

@@ -79,6 +79,7 @@ class Service:
         self.drain_deadline = float("inf")
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
+        self.metrics.track_readiness(self.is_ready)  # longdoc_ready answers what /readyz answers
 
     async def start(self) -> None:
         s = self.settings
@@ -98,7 +99,7 @@ class Service:
                 sp = info.special_tokens
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
                                          eos=int(sp["eos"]), decoder_start=int(sp.get("decoder_start") or 0),
-                                         restart_backoff_s=s.worker_restart_backoff_s)
+                                         restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
                 devices = [s.devices[0]]
             else:
                 policy = BatchingPolicy(
@@ -109,12 +110,13 @@ class Service:
                 )
                 engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
                                         pad_id=int(info.special_tokens.get("pad") or 0),
-                                        restart_backoff_s=s.worker_restart_backoff_s)
+                                        restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
             self.defaults.setdefault(info.task, name)
         self.ready = True
+        self.metrics.refresh_ready()
         log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
 
     def _load(self, name: str, directory: Path, device: str) -> Worker:
@@ -128,10 +130,12 @@ class Service:
         if not self.draining:
             self.draining = True
             self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
+            self.metrics.refresh_ready()
 
     async def stop(self) -> None:
         self.begin_drain()
         self.ready = False
+        self.metrics.refresh_ready()
         for m in self.models.values():  # whatever is still queued, within what is left of the grace
             await m.engine.drain(max(0.0, self.drain_deadline - time.monotonic()))
         for m in self.models.values():

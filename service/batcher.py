@@ -67,6 +67,7 @@ class WorkerSlot:
 
     async def restart(self, backoff_s: float, metrics: Metrics, model: str) -> None:
         self.healthy = False
+        metrics.refresh_ready()
         old = self.worker
         while True:
             await asyncio.sleep(backoff_s)
@@ -82,6 +83,7 @@ class WorkerSlot:
                 backoff_s = max(backoff_s * 2, 0.1)
         metrics.worker_restarts.labels(model).inc()
         self.healthy = True
+        metrics.refresh_ready()
 
     def close(self) -> None:
         try:
@@ -114,8 +116,10 @@ def _retry_after(queued_tokens: int, tokens_per_s: float) -> int:
 
 class EncoderBatcher:
     def __init__(self, model: str, slots: list[WorkerSlot], policy: BatchingPolicy, metrics: Metrics,
-                 max_queue_tokens: int, pad_id: int, restart_backoff_s: float = 0.5):
+                 max_queue_tokens: int, pad_id: int, restart_backoff_s: float = 0.5, *, endpoint: str):
         self.model = model
+        self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
+        metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
         self.slots = slots
         self.policy = policy
         self.metrics = metrics
@@ -234,6 +238,7 @@ class EncoderBatcher:
         self.metrics.batch_size.labels(self.model).observe(len(seqs))
         self.metrics.batch_tokens.labels(self.model).observe(padded)
         self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
+        self.metrics.input_tokens.labels(self.model, self.endpoint).inc(real)
         rate = real / max(finished - started, 1e-6)
         self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
         for i, s in enumerate(seqs):
@@ -302,8 +307,11 @@ def _banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
 
 class DecodeScheduler:
     def __init__(self, model: str, slot: WorkerSlot, metrics: Metrics, max_decode_batch: int,
-                 max_queue_tokens: int, eos: int, decoder_start: int, restart_backoff_s: float = 0.5):
+                 max_queue_tokens: int, eos: int, decoder_start: int, restart_backoff_s: float = 0.5,
+                 *, endpoint: str):
         self.model = model
+        self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
+        metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
         self.slot = slot
         self.slots = [slot]
         self.metrics = metrics
@@ -400,6 +408,7 @@ class DecodeScheduler:
             except Exception as exc:
                 self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
                 raise
+            self.metrics.input_tokens.labels(self.model, self.endpoint).inc(len(job.input_ids))
             self.metrics.generated_tokens.labels(self.model).inc(len(out))
             for t in out:
                 job.tokens.put_nowait(int(t))
@@ -419,6 +428,7 @@ class DecodeScheduler:
             for j in joining:
                 self._finish(j, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
             raise
+        self.metrics.input_tokens.labels(self.model, self.endpoint).inc(sum(len(j.input_ids) for j in joining))
         now = time.monotonic()
         for j, s in zip(joining, states):
             j.state, j.last, j.started = s, self.decoder_start, now

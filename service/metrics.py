@@ -4,12 +4,17 @@
 Each `Metrics` owns its own CollectorRegistry, so several apps (tests) can live in one process.
 With `PROMETHEUS_MULTIPROC_DIR` set (several server processes), values go to that directory and
 `/metrics` aggregates every process through prometheus-client's MultiProcessCollector; gauges
-then sum over live processes.
+then sum over live processes, except `longdoc_ready`, the minimum (a pod is ready when all are).
+
+`longdoc_ready` mirrors `/readyz`: the app hands its readiness check to `track_readiness`, the
+gauge is refreshed on every change the service knows of (start, drain, worker restart) and again
+before every scrape, so it is never staler than the scrape that reads it.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -91,11 +96,30 @@ class Metrics:
         self.worker_restarts = Counter(
             "longdoc_worker_restarts", "Workers restarted after a failure.", ("model",), registry=r
         )
+        self.input_tokens = Counter(
+            "longdoc_input_tokens", "Real (unpadded) input tokens run through the encoder, counted per batch "
+            "run (windows, question and special tokens included; padding not).", ("model", "endpoint"), registry=r
+        )
+        self.ready = Gauge(
+            "longdoc_ready", "1 when /readyz answers 200 (models loaded and warmed up, every worker healthy, "
+            "not draining), else 0.", registry=r, **({"multiprocess_mode": "livemin"} if self.multiprocess else {})
+        )
+        self._is_ready: Callable[[], bool] = lambda: False
+        self.ready.set(0)
         for reason in FAILURE_REASONS:  # export zeros so dashboards see every series
             for endpoint in ("qa", "summarize", "classify"):
                 self.failures.labels(endpoint, reason)
 
+    def track_readiness(self, is_ready: Callable[[], bool]) -> None:
+        """`is_ready` is what /readyz answers by; `longdoc_ready` follows it from now on."""
+        self._is_ready = is_ready
+        self.refresh_ready()
+
+    def refresh_ready(self) -> None:
+        self.ready.set(1 if self._is_ready() else 0)
+
     def render(self) -> tuple[bytes, str]:
+        self.refresh_ready()
         if self.multiprocess:
             from prometheus_client import multiprocess
 

@@ -36,10 +36,14 @@ QUEUE_SATURATION = 0.8  # share of LONGDOC_MAX_QUEUE_TOKENS over which the queue
 SERVER_FAILURES = "overloaded|timeout|unavailable|internal"
 # HPA target: mean queue wait per request, per pod.
 HPA_METRIC = "longdoc_queue_wait_seconds"
-# Ready replicas: kube-state-metrics' count where it runs (exact: the pods' Ready condition);
-# elsewhere (compose, the tests) the replicas being scraped, since a replica listens only once its
-# models are loaded and warmed up and stops listening when it drains.
-READY_REPLICAS = f'sum(kube_deployment_status_replicas_ready{{deployment="longdoc"}}) or sum(up{{{JOB}}})'
+# Ready replicas as the service sees itself: longdoc_ready is 1 exactly when /readyz answers 200
+# (loaded, warmed up, every worker healthy, not draining). A replica that is not scraped has no
+# series, so with none left the sum is empty: `or vector(0)` makes that a 0.
+READY_REPLICAS = f"sum(longdoc_ready{{{JOB}}}) or vector(0)"
+# The Kubernetes view, kube-state-metrics' count of pods whose Ready condition holds (the readiness
+# probe, so it lags /readyz by the probe period); where kube-state-metrics does not run (compose,
+# the tests) it falls back to longdoc_ready. Dashboard only: the alert needs no kube-state-metrics.
+READY_PODS_KUBERNETES = f'sum(kube_deployment_status_replicas_ready{{deployment="longdoc"}}) or {READY_REPLICAS}'
 
 
 
@@ -122,9 +126,10 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Requests per second", "reqps", (
             ("{{endpoint}}", f"sum by (endpoint) (rate({REQ}_count{{{EP}}}[{RATE}]))"),
         ), "Requests answered (a request may carry several documents)."),
-        Panel("Tokens per second (encoder, padded)", "short", (
-            ("{{model}}", f"sum by (model) (rate(longdoc_batch_tokens_sum{{{JOB}}}[{RATE}]))"),
-        ), "Tokens run through the encoder, padding included."),
+        Panel("Input tokens per second (encoder, unpadded)", "short", (
+            ("{{model}}", f"sum by (model) (rate(longdoc_input_tokens_total{{{EP}}}[{RATE}]))"),
+        ), "Real tokens run through the encoder: every window (overlaps, question and special tokens "
+           "included), the encoder input of each summary; padding excluded (see Padding waste)."),
         Panel("Windows and generated tokens per second", "short", (
             ("{{model}} windows/s", f"sum by (model) (rate(longdoc_windows_per_request_sum{{{EP}}}[{RATE}]))"),
             ("{{model}} generated tokens/s", f"sum by (model) (rate(longdoc_generated_tokens_total{{{JOB}}}[{RATE}]))"),
@@ -141,9 +146,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
              f" / clamp_min(sum by (endpoint) (rate({REQ}_count{{{EP}}}[{RATE}])), 1e-9)"),
         ), f"Failures for reasons {SERVER_FAILURES.replace('|', ', ')} per request answered."),
         Panel("Ready replicas", "short", (
-            ("ready", READY_REPLICAS),
-        ), "kube-state-metrics' ready replicas of the Deployment; without it, the replicas serving HTTP "
-           "(a replica listens only once its models are loaded and warmed up, and stops when it drains)."),
+            ("ready (longdoc_ready)", READY_REPLICAS),
+            ("ready pods (Kubernetes)", READY_PODS_KUBERNETES),
+        ), "longdoc_ready: replicas whose /readyz answers 200 (models loaded and warmed up, every worker "
+           "healthy, not draining). Kubernetes: kube-state-metrics' ready pods of the Deployment (the "
+           "readiness probe, a few seconds behind); without kube-state-metrics, the same as longdoc_ready."),
     )),
     ("Saturation", (
         Panel("In-flight requests", "short", (
@@ -290,10 +297,10 @@ def alerts() -> tuple[Alert, ...]:
         ),
         Alert(
             "LongdocNoReadyPods",
-            f"{READY_REPLICAS} or vector(0)",
+            READY_REPLICAS,
             "== 0", "2m", "critical",
             "longdoc: no ready replica",
-            "No longdoc replica is ready: the service answers nothing.",
+            "No longdoc replica reports longdoc_ready 1 (or none is scraped): the service answers nothing.",
         ),
     )
 

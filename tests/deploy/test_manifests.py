@@ -260,6 +260,7 @@ def test_dashboard_layout_and_variables(monitoring):
     for metric in ("longdoc_request_duration_seconds_bucket", "longdoc_queue_duration_seconds",
                    "longdoc_inference_duration_seconds", "longdoc_batch_size", "longdoc_batch_tokens",
                    "longdoc_padding_waste_ratio", "longdoc_request_failures_total", "longdoc_in_flight_requests",
-                   "longdoc_queue_depth_requests", "longdoc_queue_depth_tokens", "up{"):
+                   "longdoc_queue_depth_requests", "longdoc_queue_depth_tokens", "longdoc_ready",
+                   "longdoc_input_tokens_total"):
         assert metric in exprs, metric
     assert 'by (le, length_bucket)' in exprs and 'by (le, endpoint)' in exprs

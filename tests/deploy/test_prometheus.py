@@ -78,6 +78,15 @@ def test_every_alert_expression_returns_data_and_rules_evaluate(scraped_load, mo
     assert loaded["LongdocQueueSaturated"]["state"] == "inactive"
 
 
+def test_input_tokens_are_the_unpadded_share_of_the_encoder_tokens(scraped_load):
+    prom, _, stop, _ = scraped_load
+    # qa and classify run encoder batches (summarize's encoder inputs are not batch_tokens)
+    (real,) = stack.instant_query(prom, 'sum(longdoc_input_tokens_total{job="longdoc",endpoint!="summarize"})', at=stop)
+    (padded,) = stack.instant_query(prom, 'sum(longdoc_batch_tokens_sum{job="longdoc"})', at=stop)
+    real, padded = float(real["value"][1]), float(padded["value"][1])
+    assert 0 < real < padded, (real, padded)  # the load mixes lengths: some padding is certain
+
+
 def test_autoscaling_metric_returns_data_per_pod(scraped_load, monitoring):
     prom, _, stop, _ = scraped_load
     query = monitoring.adapter_query(LABELS["namespace"], LABELS["pod"])

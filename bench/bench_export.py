@@ -297,6 +297,7 @@ def write_report(results: list[dict], out_dir: Path, header: str, threads: int) 
     fig.suptitle("BigBird-base QA, batch 1, 2 threads (CPU)")
     fig.tight_layout()
     fig.savefig(out_dir / "bench_export.png", dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -336,6 +337,9 @@ def main() -> int:
     if args.long:
         plans.append((16384, [8192, 16384]))
     results = []
+    header = (f"BigBird-base QA (random init), batch 1, {args.threads} threads, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+              f"`{' '.join(['.venv/bin/python', 'bench/bench_export.py'] + sys.argv[1:])}`")
     for max_position, lengths in plans:
         paths = prepare(args.work, max_position, log)
         if "hf-traced" in kinds and max_position == 4096:
@@ -354,10 +358,8 @@ def main() -> int:
                 r = run_child(kind, path, S, reps, args.threads, args.timeout)
                 log(f"  -> {r.get('median', r.get('error'))}")
                 results.append(r)
-                header = (f"BigBird-base QA (random init), batch 1, {args.threads} threads, "
-                          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-                          f"`{' '.join(['python', 'bench/bench_export.py'] + sys.argv[1:])}`")
                 write_report(results, args.out, header, args.threads)
+    write_report(results, args.out, header, args.threads)
     log(f"wrote {args.out / 'bench_export.md'}")
     return 0
 

@@ -106,10 +106,10 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
     flat_blocks = g.op("Add", [key_blocks, ctx.head_offset])  # (H, nb, K) ids into H*nb
 
     # sparse rows: gathered keys/values, one batched MatMul per side
+    # (node order matters for peak memory: the gathered values are made only after the softmax,
+    # so the gathered keys, the scores and the gathered values are never all alive at once)
     kg = g.op("Gather", [k_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
-    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
     kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
-    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
     scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, H, nb, bs, K*bs)
 
     key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, H, nb, K, bs)
@@ -117,6 +117,8 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
     allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,H,nb,1,K*bs)
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
     probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
+    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
+    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
     sparse_out = g.op("MatMul", [probs, vg])  # (B, H, nb, bs, D)
 
     # global rows: their query blocks attend to every key

@@ -8,7 +8,6 @@ it as graph inputs next to the token ids.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from export.manifest import Manifest
-from export.sparse_attention import LAYOUT_INPUTS, dense_layout_feed, layout_feed
+from export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -193,7 +192,3 @@ def _as_2d_int64(x, name: str) -> np.ndarray:
     if a.dtype.kind not in "iub":
         raise ValueError(f"{name} must hold integers, got {a.dtype}")
     return a.astype(np.int64, copy=False)
-
-
-def default_threads() -> int:
-    return int(os.environ.get("LONGDOC_THREADS", "0")) or None

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from onnx import TensorProto
 
 from export.graph import GraphBuilder
-from export.sparse_attention import (attention_context, block_sparse_attention, declare_layout_inputs,
-                                     dense_layout_feed)
-from export.sparse_attention import _feed as layout_inputs
+from export.layout_feed import _feed as layout_inputs
+from export.layout_feed import dense_layout_feed
+from export.sparse_attention import attention_context, block_sparse_attention, declare_layout_inputs
 
 H, D, BS = 2, 4, 4
 

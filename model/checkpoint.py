@@ -63,7 +63,7 @@ IGNORED_BY_ARCHITECTURE = {
 }
 
 
-class LoadError(Exception):
+class LoadError(ValueError):
     """A checkpoint directory that cannot be loaded as it is; the message says why."""
 
 
@@ -228,24 +228,41 @@ def _limited(items: list[str], n: int = 25) -> str:
     return head + (f", ... and {len(items) - n} more" if len(items) > n else "")
 
 
-def load_state_dict_strict(module: nn.Module, state: dict[str, torch.Tensor], ignored=(), source: str = "") -> None:
-    """Copy `state` into `module`, every key and shape accounted for, or raise LoadError."""
+def load_state_dict_strict(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    ignored=(),
+    source: str = "",
+    fresh_prefixes: tuple[str, ...] = (),
+    drop_prefixes: tuple[str, ...] = (),
+) -> tuple[list[str], list[str]]:
+    """Copy `state` into `module`, every key and shape accounted for, or raise LoadError.
+
+    The policy for fine-tuning: module keys starting with `fresh_prefixes` may be absent from the
+    file (a new task head keeps its fresh init) and file keys starting with `drop_prefixes` may go
+    unused (another task's head). Returns (fresh, dropped) so the caller can say so; anything else
+    missing, unexpected or of the wrong shape is an error naming the keys.
+    """
     own = module.state_dict()
     optional = set(getattr(module, "OPTIONAL_KEYS", ()))
     ignored_re = [re.compile(p) for p in ignored]
     to_load: dict[str, torch.Tensor] = {}
-    missing, mismatched = [], []
+    missing, mismatched, fresh = [], [], []
     for group in _shared_groups(module):
         present = [k for k in group if k in state]
         if not present:
-            if not all(k in optional for k in group):
+            if group[0].startswith(fresh_prefixes) and fresh_prefixes:
+                fresh.append(group[0])
+            elif not all(k in optional for k in group):
                 missing.append(group[0] if len(group) == 1 else f"{group[0]} (or its aliases {group[1:]})")
             continue
         for k in present:
             if tuple(state[k].shape) != tuple(own[k].shape):
                 mismatched.append(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}")
         to_load[group[0]] = state[present[0]]  # canonical name first, as transformers ties
-    unexpected = sorted(k for k in state if k not in own and not any(r.search(k) for r in ignored_re))
+    unused = sorted(k for k in state if k not in own and not any(r.search(k) for r in ignored_re))
+    dropped = [k for k in unused if drop_prefixes and k.startswith(drop_prefixes)]
+    unexpected = [k for k in unused if k not in dropped]
     if missing or unexpected or mismatched:
         parts = [f"checkpoint {source!r} does not match {type(module).__name__}:"]
         if missing:
@@ -257,9 +274,10 @@ def load_state_dict_strict(module: nn.Module, state: dict[str, torch.Tensor], ig
         raise LoadError("\n  ".join(parts))
     result = module.load_state_dict(to_load, strict=False)
     # every parameter not loaded by name is an alias of one that was, or optional
-    left = set(result.missing_keys) - {k for g in _shared_groups(module) for k in g[1:]} - optional
+    left = set(result.missing_keys) - {k for g in _shared_groups(module) for k in g[1:]} - optional - set(fresh)
     if left or result.unexpected_keys:  # a bug here, not in the file
         raise AssertionError(f"load_state_dict left {sorted(left)} / {result.unexpected_keys}")
+    return fresh, dropped
 
 
 # ----------------------------------------------------------------------------------------------

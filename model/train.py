@@ -171,41 +171,17 @@ def load_weights(module: nn.Module, task: str, directory: Path, log=print) -> No
     """Load a checkpoint dir's tensors into a task model built for it. The encoder must be
     complete; the task head may be missing (then it keeps its fresh init: warm start or a new
     task), and other tasks' heads in the file are dropped. Both are logged; anything else that
-    does not fit (missing encoder keys, unknown keys, shapes) is an error listing the keys."""
-    from model.checkpoint import IGNORED_ALWAYS, _shared_groups, read_state_dict
+    does not fit (missing encoder keys, unknown keys, shapes) is a LoadError listing the keys."""
+    from model.checkpoint import IGNORED_ALWAYS, load_state_dict_strict, read_state_dict
 
     state = read_state_dict(directory)
-    state = {k: v for k, v in state.items() if not any(re.search(p, k) for p in IGNORED_ALWAYS)}
-    own = module.state_dict()
     # a bare BigBirdModel checkpoint (transformers writes it without the "bert." prefix)
-    if any(k.startswith("bert.") for k in own) and not any(k.startswith("bert.") for k in state):
+    if any(k.startswith("bert.") for k in module.state_dict()) and not any(k.startswith("bert.") for k in state):
         state = {(f"bert.{k}" if k.startswith(("embeddings.", "encoder.", "pooler.")) else k): v for k, v in state.items()}
-    optional = set(getattr(module, "OPTIONAL_KEYS", ()))
-    to_load, fresh, absent, mismatched = {}, [], [], []
-    for group in _shared_groups(module):  # tied aliases: one tensor, several names
-        present = [k for k in group if k in state]
-        if not present:
-            if group[0].startswith(HEAD_PREFIXES[task]) or all(k in optional for k in group):
-                fresh.append(group[0])
-            else:
-                absent.append(group[0])
-            continue
-        if tuple(state[present[0]].shape) != tuple(own[group[0]].shape):
-            mismatched.append(f"{present[0]}: file {tuple(state[present[0]].shape)} vs model {tuple(own[group[0]].shape)}")
-        to_load[group[0]] = state[present[0]]
-    unexpected = sorted(k for k in state if k not in own)
-    dropped = [k for k in unexpected if k.startswith(OTHER_HEAD_PREFIXES)]
-    bad = [k for k in unexpected if k not in dropped]
-    problems = []
-    if absent:
-        problems.append(f"missing: {', '.join(absent)}")
-    if bad:
-        problems.append(f"unexpected: {', '.join(bad)}")
-    if mismatched:
-        problems.append(f"shape mismatch: {'; '.join(mismatched)}")
-    if problems:
-        raise ValueError(f"{directory}: does not fit {type(module).__name__} ({' | '.join(problems)})")
-    module.load_state_dict(to_load, strict=False)
+    fresh, dropped = load_state_dict_strict(
+        module, state, ignored=IGNORED_ALWAYS, source=str(directory),
+        fresh_prefixes=HEAD_PREFIXES[task], drop_prefixes=OTHER_HEAD_PREFIXES,
+    )
     if fresh:
         log(f"initialised fresh (not in {directory}): {', '.join(fresh)}")
     if dropped:

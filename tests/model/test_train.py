@@ -217,6 +217,31 @@ def test_fine_tune_from_checkpoint_adds_head(work, mlm_run, capsys):
     assert torch.equal(mlm[key], qa[key])  # lr 0: unchanged
 
 
+def test_fine_tune_refuses_an_encoder_that_does_not_fit(work, mlm_run, tmp_path):
+    """Only task heads may be fresh or dropped: a wrong encoder shape or a stray key is an error
+    naming the key, even under the fine-tuning policy."""
+    from safetensors.torch import load_file, save_file
+
+    from model.checkpoint import LoadError
+    from model.train import build_model, load_weights
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in mlm_run.output.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(mlm_run.output / "model.safetensors"))
+    key = "bert.encoder.layer.0.output.dense.weight"
+    state[key] = state[key][:, :-1].contiguous()
+    state["bert.encoder.extra.weight"] = torch.zeros(2)
+    save_file(state, str(bad / "model.safetensors"))
+    config = json.loads((mlm_run.output / "config.json").read_text())
+    module = build_model("qa", config, plan="hf-train")
+    with pytest.raises(LoadError) as info:
+        load_weights(module, "qa", bad, log=lambda *_: None)
+    assert key in str(info.value) and "bert.encoder.extra.weight" in str(info.value)
+
+
 # ----------------------------------------------------------------------------- resume
 
 

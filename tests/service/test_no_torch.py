@@ -1,4 +1,4 @@
-"""The serving path imports neither torch nor transformers (docs/DESIGN.md, import rules):
+"""The serving path imports neither torch nor transformers nor the onnx package (docs/DESIGN.md, import rules):
 a subprocess loads a real exported model, serves one request, then looks at sys.modules."""
 
 import subprocess
@@ -18,7 +18,7 @@ async def main(model_dir):
             assert r.status_code == 200, r.text
 
 asyncio.run(main(sys.argv[1]))
-print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+print("HEAVY", sorted(m for m in ("torch", "transformers", "onnx") if m in sys.modules))
 """
 
 

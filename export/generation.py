@@ -4,6 +4,10 @@ do_sample=False), so the exported path produces the same tokens.
 
 Return value: one list of token ids per input row, starting with decoder_start_token_id (as
 model.generation and transformers return it), without trailing fill tokens.
+
+`should_stop` (optional, any search): called before every decoder step, from whatever thread
+runs the search; when it returns true the search raises `GenerationStopped` (the service uses
+it to stop a request past its deadline or whose client went away between decoder steps).
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ import numpy as np
 
 NEG_INF = -np.inf
 IMPOSSIBLE = np.float32(-1.0e9)
+
+
+class GenerationStopped(Exception):
+    """`should_stop` asked the search to stop between decoder steps; no result."""
+
+
+def _check(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationStopped("generation stopped between decoder steps")
 
 
 @dataclass(frozen=True)
@@ -70,11 +83,13 @@ def _ends_with_eos(tokens: np.ndarray, s: SearchSettings) -> np.ndarray:
     return np.isin(tokens, s.eos_token_ids)
 
 
-def greedy_search(next_logits: Callable[[np.ndarray], np.ndarray], batch_size: int, s: SearchSettings) -> np.ndarray:
+def greedy_search(next_logits: Callable[[np.ndarray], np.ndarray], batch_size: int, s: SearchSettings,
+                  should_stop: Callable[[], bool] | None = None) -> np.ndarray:
     sequences = np.full((batch_size, 1), s.decoder_start_token_id, dtype=np.int64)
     unfinished = np.ones(batch_size, bool)
     pad = s.pad_token_id if s.pad_token_id is not None else (s.eos_token_ids[0] if s.eos_token_ids else None)
     while sequences.shape[1] < s.max_length:
+        _check(should_stop)
         scores = process_scores(sequences, next_logits(sequences).astype(np.float32), s)
         next_tokens = np.argmax(scores, axis=-1)  # first maximum, as torch.argmax
         if s.eos_token_ids:
@@ -97,7 +112,8 @@ def _gather(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def beam_search(next_logits, reorder, batch_size: int, s: SearchSettings) -> np.ndarray:
+def beam_search(next_logits, reorder, batch_size: int, s: SearchSettings,
+                should_stop: Callable[[], bool] | None = None) -> np.ndarray:
     """transformers' vectorised beam search; see model/generation.py for the state it keeps."""
     B, nb, L = batch_size, s.num_beams, s.max_length
     N = B * nb
@@ -116,6 +132,7 @@ def beam_search(next_logits, reorder, batch_size: int, s: SearchSettings) -> np.
     row_offset = (np.arange(B) * nb)[:, None]
     cur_len = 1
     while True:
+        _check(should_stop)
         flat = running_seqs[:, :, :cur_len].reshape(N, cur_len)
         log_probs = process_scores(flat, log_softmax(next_logits(flat)), s)  # (N, V)
         V = log_probs.shape[-1]
@@ -207,7 +224,8 @@ def settings_for(manifest, max_new_tokens=None, num_beams=None, length_penalty=N
         forced_eos_token_ids=forced_ids)
 
 
-def generate(model, input_ids, attention_mask=None, **options) -> list[list[int]]:
+def generate(model, input_ids, attention_mask=None, should_stop: Callable[[], bool] | None = None,
+             **options) -> list[list[int]]:
     """Greedy (num_beams 1) or beam search with an export.runtime.OnnxModel."""
     s = settings_for(model.manifest, **options)
     input_ids = np.asarray(input_ids, dtype=np.int64)
@@ -222,14 +240,15 @@ def generate(model, input_ids, attention_mask=None, **options) -> list[list[int]
     if attention_mask.ndim == 1:
         attention_mask = attention_mask[None]
     B = input_ids.shape[0]
+    _check(should_stop)
     state = model.encode_for_decoding(input_ids, attention_mask)
     if s.num_beams > 1:
         state = state.select(np.repeat(np.arange(B), s.num_beams))
     decoder = _CachedDecoder(model, state)
     if s.num_beams == 1:
-        out = greedy_search(decoder.next_logits, B, s)
+        out = greedy_search(decoder.next_logits, B, s, should_stop)
     else:
-        out = beam_search(decoder.next_logits, decoder.reorder, B, s)
+        out = beam_search(decoder.next_logits, decoder.reorder, B, s, should_stop)
     return [_strip(row.tolist(), s) for row in out]
 
 

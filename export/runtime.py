@@ -173,14 +173,16 @@ class OnnxModel:
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 64, num_beams: int = 1,
                  length_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
-                 early_stopping: bool = False) -> list[list[int]]:
+                 early_stopping: bool = False, should_stop=None) -> list[list[int]]:
+        """should_stop: optional () -> bool, checked before each decoder step (thread-safe is the
+        caller's business); true raises export.generation.GenerationStopped."""
         from export.generation import generate
 
         if self.manifest.task != "summarize":
             raise ValueError(f"generate needs a summarize model, this one is {self.manifest.task!r}")
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
                         length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                        early_stopping=early_stopping)
+                        early_stopping=early_stopping, should_stop=should_stop)
 
 
 def _as_2d_int64(x, name: str) -> np.ndarray:

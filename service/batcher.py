@@ -6,7 +6,8 @@ only the batcher task touches the queue (a `BatchingPolicy`) and the workers.
   a request cancelled or past its deadline has its remaining windows skipped.
 - `DecodeScheduler` (summarize): iteration-level batching. Every decoder step runs all live
   sequences together; new requests are encoded and join at the next step; finished, cancelled
-  or expired sequences leave after the step that finished them.
+  or expired sequences leave after the step that finished them. Beam search runs alone through
+  the worker's `generate`, which checks the request between decoder steps and stops it too.
 
 A worker whose run raises is replaced (restarted from its factory, in the background); the
 requests of the failed batch get 503 and the queue keeps going on the other workers.
@@ -27,7 +28,7 @@ import numpy as np
 from service.batching import BatchingPolicy, Entry
 from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
 from service.metrics import Metrics
-from service.workers import EncoderBatch, GenerateParams, Worker
+from service.workers import EncoderBatch, GenerateParams, GenerationStopped, Worker
 
 log = logging.getLogger("longdoc.service")
 PER_TOKEN_OUTPUTS = {"start_logits", "end_logits", "last_hidden_state"}  # (B, S, ...): cut to each length
@@ -403,8 +404,12 @@ class DecodeScheduler:
             job = self.pending.pop(0)
             self._gauges()
             job.started = time.monotonic()
-            try:
-                out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params)
+            try:  # job.is_done reads a flag and the clock: safe from the worker thread
+                out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params, job.is_done)
+            except GenerationStopped:  # past its deadline or its client left: stopped between steps
+                self.metrics.input_tokens.labels(self.model, self.endpoint).inc(len(job.input_ids))
+                self._finish(job, job.request.error())
+                return
             except Exception as exc:
                 self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
                 raise

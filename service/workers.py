@@ -2,6 +2,8 @@
 text-embeddings-inference's backend trait): `info`, `health()`, `max_batch_tokens`,
 `warmup()`, `run(batch)` for encoders, and `begin`/`step`/`generate` for summarization.
 A worker never sees a pydantic model or a request; the batcher calls it from one thread.
+`generate(..., should_stop)` calls `should_stop()` (from the worker thread) before every decoder
+step and raises `GenerationStopped` when it returns true.
 
 - `OnnxWorker`: `export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
   (intra-op threads configurable), or on CUDA (`CudaWorker`).
@@ -14,10 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from export.generation import GenerationStopped  # numpy only, no torch
+
+__all__ = ["GenerationStopped"]  # re-exported for the batcher
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +69,8 @@ class Worker(Protocol):
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]: ...  # outputs (B, S, ...)
     def begin(self, input_ids: list[list[int]]) -> list[Any]: ...  # summarize: encode, one state each
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray: ...  # (n, vocab) next-token logits
-    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]: ...  # beam search
+    def generate(self, input_ids: list[int], params: GenerateParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]: ...  # beam search
     def close(self) -> None: ...
 
 
@@ -192,11 +199,13 @@ class OnnxWorker:
             s.length += 1
         return logits[:, -1]  # (B, V)
 
-    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]:
+    def generate(self, input_ids: list[int], params: GenerateParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]:
         ids = np.asarray([input_ids], dtype=np.int64)
         out = self.model.generate(
             ids, np.ones_like(ids), max_new_tokens=params.max_new_tokens, num_beams=params.num_beams,
             length_penalty=params.length_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
+            should_stop=should_stop,
         )
         sp = self.info.special_tokens
         tokens = []
@@ -382,10 +391,13 @@ class FakeWorker:
             s["length"] += 1
         return logits
 
-    def generate(self, input_ids: list[int], params: GenerateParams) -> list[int]:
+    def generate(self, input_ids: list[int], params: GenerateParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]:
         states = self.begin([input_ids])
         out, tok = [], FAKE_SPECIALS["decoder_start"]
         for _ in range(params.max_new_tokens):
+            if should_stop is not None and should_stop():
+                raise GenerationStopped("generation stopped between decoder steps")
             tok = int(self.step(states, [tok])[0].argmax())
             if tok == FAKE_SPECIALS["eos"]:
                 break

@@ -415,3 +415,43 @@ def test_one_worker_per_device_both_get_batches():
     assert models[0]["devices"] == ["cpu", "cpu"]
     workers = [w for w in factory.made if w.info.task == "qa"]
     assert len(workers) == 2 and all(w.batches for w in workers)
+
+
+def test_beam_search_past_deadline_stops_between_decoder_steps():
+    """60 beam steps of 0.02 s under a 0.2 s deadline: 504, and the worker stops stepping (the
+    decoder loop is free again) instead of running the search to the end."""
+    factory = fake_factory(summarize={"delay_s": 0.02, "summary_tokens": 60})
+
+    async def go():
+        async with running_app(factory) as c:
+            r = await c.post("/v1/summarize", json={"document": filler(80), "num_beams": 2, "max_new_tokens": 60},
+                             headers={"x-request-timeout": "0.2"})
+            # runs only once the beam search has left the decoder (FIFO, beam search runs alone)
+            after = await c.post("/v1/summarize", json={"document": "w1 w2"})
+            return r, after
+
+    r, after = run(go())
+    assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    assert after.status_code == 200 and after.json()["results"][0]["summary"] == "w1 w2"
+    steps = len([w for w in factory.made if w.info.task == "summarize"][0].steps) - 3  # greedy: w1, w2, eos
+    assert 1 <= steps < 40  # stopped near 0.2 s / 0.02 s, not at 60
+
+
+def test_disconnect_stops_beam_search_between_decoder_steps():
+    import httpx
+
+    from service.settings import Settings
+    from tests.service.conftest import ThreadServer
+
+    factory = fake_factory(summarize={"delay_s": 0.02, "summary_tokens": 60})
+    settings = Settings(models={"sum": "summarize"}, warmup=False)
+    with ThreadServer(settings, worker_factory=factory) as s:
+        with pytest.raises(httpx.ReadTimeout):  # 60 steps = 1.2 s of work
+            httpx.post(s.url + "/v1/summarize", json={"document": filler(80), "num_beams": 2, "max_new_tokens": 60},
+                       timeout=0.2)
+        after = httpx.post(s.url + "/v1/summarize", json={"document": "w1 w2"}, timeout=30)  # runs after it
+        metrics = httpx.get(s.url + "/metrics").text
+    assert after.status_code == 200
+    assert 'longdoc_request_failures_total{endpoint="summarize",reason="cancelled"} 1.0' in metrics
+    steps = len(factory.made[0].steps) - 3  # the greedy request: w1, w2, eos
+    assert 1 <= steps < 40  # stopped soon after the hang-up at 0.2 s, not at 60

@@ -276,3 +276,25 @@ def test_io_binding_encoder_matches_run_encoder(offline):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
     assert len(enc._layouts) == 2
+
+
+def test_generate_should_stop_is_checked_between_decoder_steps(offline):
+    """The real beam search: a callback that never fires changes nothing; one that fires on its
+    4th call stops the search with GenerationStopped after the encoder check and 3 decoder steps."""
+    from export.generation import GenerationStopped
+
+    m = offline["sum"]
+    ids = m.tokenizer.encode(text_of(60, seed=7), add_special_tokens=False).ids + [special(m, "eos", "</s>")]
+    ids, mask = np.array([ids]), np.ones((1, len(ids)), np.int64)
+    for beams in (1, 3):
+        plain = m.generate(ids, mask, max_new_tokens=12, num_beams=beams)
+        assert m.generate(ids, mask, max_new_tokens=12, num_beams=beams, should_stop=lambda: False) == plain
+        calls = []
+
+        def stop():
+            calls.append(1)
+            return len(calls) == 4
+
+        with pytest.raises(GenerationStopped):
+            m.generate(ids, mask, max_new_tokens=12, num_beams=beams, should_stop=stop)
+        assert len(calls) == 4

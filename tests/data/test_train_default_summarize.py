@@ -1,0 +1,82 @@
+"""Shipping the summarizer: the vocabulary cut keeps the corpus' tokenization and the model's
+logits on it (restricted to the kept word pieces)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from data.train_default_summarize import KEEP_FIRST, shrink_vocabulary
+from tests.tiny_models import BOS, EOS, PAD, make_tiny_checkpoint
+
+CORPUS = [{"document": "the water was hot and the sun was red .", "summary": "hot water"},
+          {"document": "write a letter to your mother , then read the book .", "summary": "write a letter"}]
+
+
+@pytest.fixture()
+def shrunk(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "src", "summarize")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    kept = shrink_vocabulary(src, tmp_path / "dst", [corpus])
+    return src, tmp_path / "dst", kept
+
+
+def test_shrink_keeps_corpus_tokenization_and_special_ids(shrunk):
+    src, dst, kept = shrunk
+    old, new = Tokenizer.from_file(str(src / "tokenizer.json")), Tokenizer.from_file(str(dst / "tokenizer.json"))
+    assert len(kept) < old.get_vocab_size() and new.get_vocab_size() == len(kept)
+    assert kept[:KEEP_FIRST] == list(range(min(KEEP_FIRST, old.get_vocab_size())))
+    for r in CORPUS:
+        for text in r.values():
+            a, b = old.encode(text), new.encode(text)  # post-processor ([CLS] ... [SEP]) included
+            assert a.tokens == b.tokens
+            assert [kept[i] for i in b.ids] == a.ids
+    assert "mountain" in old.get_vocab() and "mountain" not in new.get_vocab()  # a word the corpus lacks
+    config = json.loads((dst / "config.json").read_text())
+    assert config["vocab_size"] == len(kept)
+    assert (config["pad_token_id"], config["eos_token_id"]) == (PAD, EOS)
+    assert (dst / "vocab.txt").read_text().splitlines() == [new.id_to_token(i) for i in range(len(kept))]
+
+
+def test_shrunk_model_gives_the_kept_logits(shrunk):
+    import model
+
+    src, dst, kept = shrunk
+    torch.manual_seed(0)
+    a, b = model.load_pretrained(src), model.load_pretrained(dst)
+    old, new = Tokenizer.from_file(str(src / "tokenizer.json")), Tokenizer.from_file(str(dst / "tokenizer.json"))
+    text = CORPUS[1]["document"]
+    ids_a = torch.tensor([old.encode(text, add_special_tokens=False).ids + [EOS]])
+    ids_b = torch.tensor([new.encode(text, add_special_tokens=False).ids + [EOS]])
+    dec_a = torch.tensor([[BOS] + old.encode("write a letter", add_special_tokens=False).ids])
+    dec_b = torch.tensor([[BOS] + new.encode("write a letter", add_special_tokens=False).ids])
+    with torch.no_grad():
+        la = a(ids_a, decoder_input_ids=dec_a).logits  # (1, T, V)
+        lb = b(ids_b, decoder_input_ids=dec_b).logits  # (1, T, V')
+    assert lb.shape[-1] == len(kept)
+    np.testing.assert_allclose(lb.numpy(), la[..., kept].numpy(), rtol=1e-5, atol=1e-5)
+
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "summarize"
+
+
+@pytest.mark.skipif(not (MODEL / "manifest.json").is_file(), reason="models/summarize not shipped")
+def test_shipped_summarizer_is_long_sparse_small_and_writes_text():
+    from export.runtime import OnnxModel
+
+    model = OnnxModel(MODEL, threads=1)
+    m = model.manifest
+    assert (m.task, m.dtype, m.max_length, m.attention["pattern"]) == ("summarize", "int8", 4096, "bigbird")
+    assert sum(f.stat().st_size for f in MODEL.iterdir()) < 48 * 2**20
+    for name in ("LICENSE", "MODEL_CARD.md", "tokenizer.json", "TRAINING-DATA-COPYRIGHT"):
+        assert (MODEL / name).is_file()
+    text = "DESCRIPTION\n       " + " ".join(["These system calls change the owner and group of a file."] * 120)
+    ids = model.tokenizer.encode(text, add_special_tokens=False).ids[:1500] + [m.special_tokens["eos"]]
+    assert len(ids) > 704  # the block-sparse path
+    out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=16)[0]
+    words = model.tokenizer.decode([t for t in out if t not in m.special_tokens.values()]).split()
+    assert 1 <= len(words) <= 16

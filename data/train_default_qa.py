@@ -13,7 +13,13 @@ on man-page QA windows. The exact commands used for the shipped model (models/qa
     # phase 3: back to 768-token block-sparse windows (distractor-rich, like long pages)
     .venv/bin/python -m data.train_default_qa --init data/cache/runs/qa2 --seed 2 \
         --output data/cache/runs/qa3 --max-steps 60
-    .venv/bin/python -m data.ship_model data/cache/runs/qa3 models/qa --task qa --dtype int8
+    # (a phase 4 like phase 3, --init data/cache/runs/qa3 --seed 3 --output data/cache/runs/qa4
+    #  --max-steps 60, was stopped at step 26; its checkpoint-15 is the start of phase 5)
+    # phase 5 (engineer K): 768-token windows plus same-window questions of other terms (--siblings)
+    .venv/bin/python -m data.train_default_qa --init data/cache/runs/qa4/checkpoint-15 --seed 4 \
+        --siblings 2 --train data/cache/manpages/qa_train_w768s.jsonl \
+        --output data/cache/runs/qa5 --max-steps 250 --threads 1
+    .venv/bin/python -m data.ship_model data/cache/runs/qa5 models/qa --task qa --dtype int8
 
 Time box: the machine has 2 CPU cores shared with other jobs (60-350 training tokens/s
 measured), so training windows are short: 768 tokens is 12 blocks of 64, above the
@@ -32,6 +38,49 @@ import argparse
 CHECKPOINT = "data/cache/minilm-bigbird-4096"
 
 
+def write_sibling_windows(output: str, max_length: int, siblings: int, seed: int,
+                          source: str = "data/cache/manpages/qa_train.jsonl") -> str:
+    """Like data/qa_windows.py (one window per question that holds its answer), plus, for each
+    window, up to `siblings` records of other questions of the same page whose whole answer lies in
+    that window: identical text, different question and answer. The model cannot get those right
+    without reading the question (the shipped phases 1-3 answered several questions of one page
+    with the same sentence)."""
+    import json
+    import random
+    from collections import defaultdict
+
+    from data.build_manpages import load_tokenizer
+    from data.qa_windows import window_record
+
+    tokenizer, rng, cache = load_tokenizer(), random.Random(seed), {}
+    by_page = defaultdict(list)
+    for line in open(source):
+        if line.strip():
+            record = json.loads(line)
+            by_page[record["page"]].append(record)
+    primary = extra = 0
+    with open(output, "w") as f:
+        for page in sorted(by_page):
+            records = by_page[page]
+            for record in records:
+                window = window_record(record, tokenizer, max_length, rng, cache)
+                if window is None:
+                    continue
+                f.write(json.dumps(window) + "\n")
+                primary += 1
+                lo, hi = window["window_chars"]
+                inside = [r for r in records if r is not record and r["answers"][0]["start"] >= lo
+                          and r["answers"][0]["start"] + len(r["answers"][0]["text"]) <= hi]
+                for other in rng.sample(inside, min(siblings, len(inside))):
+                    answer = other["answers"][0]
+                    out = dict(other, context=window["context"], window_chars=[lo, hi],
+                               answers=[{"text": answer["text"], "start": answer["start"] - lo}])
+                    assert out["context"][answer["start"] - lo:].startswith(answer["text"])
+                    f.write(json.dumps(out) + "\n")
+                    extra += 1
+    return f"{output}: {primary} windows + {extra} same-window questions of other terms"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train", default="data/cache/manpages/qa_train_w768.jsonl")
@@ -43,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--init", help="continue from this QA checkpoint instead of the MiniLM warm start")
     parser.add_argument("--seed", type=int, default=0, help="data order (use a new one when continuing)")
+    parser.add_argument("--siblings", type=int, default=0,
+                        help="write --train first from qa_train.jsonl: each answer's window plus up to N other "
+                             "questions of the same page whose answers lie in that window (same text, other question)")
     args = parser.parse_args(argv)
+    if args.siblings:
+        print(write_sibling_windows(args.train, args.max_length, args.siblings, args.seed))
 
     import torch
 

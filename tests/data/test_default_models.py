@@ -35,8 +35,9 @@ def test_default_qa_model_is_long_sparse_small_and_answers():
                                 np.array([x.token_type_ids]))
         s, e = E.best_span(out["start_logits"][0], out["end_logits"][0], x.context_start, len(x.context_offsets), 64)
         answers[term] = PERSONALITY_FLAGS[x.context_offsets[s][0] : x.context_offsets[e][1]]
-    # a weak model (docs/models.md): it answers with whole description sentences, depends on
-    # the question, and gets 3 of these 7 right as shipped
-    assert set(answers.values()) <= set(gold.values())
-    assert len(set(answers.values())) >= 3
-    assert sum(answers[t] == gold[t] for t in gold) >= 3
+    # a small model (docs/models.md): it answers from the descriptions (never a tag line),
+    # depends on the question, and gets 4 of these 7 exactly right as shipped (the other 3 are
+    # parts of description sentences)
+    assert all(any(a in g for g in gold.values()) for a in answers.values())
+    assert len(set(answers.values())) >= 5
+    assert sum(answers[t] == gold[t] for t in gold) >= 4

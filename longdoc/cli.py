@@ -14,7 +14,9 @@ _COMMAND_MODULES = ("service.cli", "export.cli", "export.eval_cli", "model.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longdoc", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="longdoc", description="Long-document BigBird models: train, export to ONNX, verify, evaluate, serve."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from tests.deploy import stack
-from tests.deploy.conftest import ROOT
+from tests.deploy.conftest import ROOT, require_tool
 
 BASE_IMAGE = "localhost/debian-python:bookworm"
 IMAGE = "localhost/longdoc:ci"
@@ -28,19 +28,10 @@ QUESTION = "where does the river run"
 DOCUMENT = stack.document(40, 3)
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} not found: run .ci/containers-setup.sh (installs podman, buildah, runc)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 @pytest.fixture(scope="module")
 def image() -> str:
-    buildah, podman = _tool("buildah"), _tool("podman")
+    why = "run .ci/containers-setup.sh (installs podman, buildah, runc)"
+    buildah, podman = require_tool("buildah", why), require_tool("podman", why)
     if subprocess.run([podman, "image", "exists", BASE_IMAGE]).returncode != 0:
         message = f"base image {BASE_IMAGE} missing: run .ci/containers-setup.sh"
         if os.environ.get("CI"):

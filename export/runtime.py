@@ -20,6 +20,20 @@ from export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
+def execution_providers(device: str, device_id: int = 0) -> list:
+    """The `providers` argument of `onnxruntime.InferenceSession` for a device: the CPU provider,
+    or the CUDA provider on GPU `device_id` (its `device_id` provider option), CPU as fallback."""
+    if device not in PROVIDERS:
+        raise ValueError(f"device must be one of {', '.join(PROVIDERS)}, got {device!r}")
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise ValueError(f"device_id must be a non-negative integer, got {device_id!r}")
+    if device == "cpu":
+        if device_id != 0:
+            raise ValueError(f"device_id {device_id} needs device='cuda' (the CPU has no device ids)")
+        return list(PROVIDERS["cpu"])
+    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+
+
 @dataclass
 class EncoderState:
     """What the decoder needs from one encoder pass (per batch row)."""
@@ -34,15 +48,16 @@ class EncoderState:
 
 class OnnxModel:
     def __init__(self, model_dir: str | Path, device: str = "cpu", threads: int | None = None,
-                 layout_cache_size: int = 64):
+                 layout_cache_size: int = 64, device_id: int = 0):
+        """device: "cpu" or "cuda"; device_id: which GPU (CUDA provider option `device_id`)."""
         import onnxruntime as ort
         import tokenizers
 
         self.model_dir = Path(model_dir)
         self.manifest = Manifest.load(self.model_dir)
         self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        if device not in PROVIDERS:
-            raise ValueError(f"device must be one of {', '.join(PROVIDERS)}, got {device!r}")
+        providers = execution_providers(device, device_id)
+        self.device, self.device_id = device, device_id
         if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise RuntimeError("device='cuda' needs onnxruntime-gpu (CUDAExecutionProvider is not available)")
         options = ort.SessionOptions()
@@ -59,7 +74,7 @@ class OnnxModel:
             path = self.model_dir / filename
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: graph {name!r} named in the manifest is missing")
-            self.sessions[name] = ort.InferenceSession(str(path), options, providers=PROVIDERS[device])
+            self.sessions[name] = ort.InferenceSession(str(path), options, providers=providers)
         self.encoder_inputs = {i.name for i in self.sessions["encoder"].get_inputs()}
         self.sparse = LAYOUT_INPUTS[0] in self.encoder_inputs
         self.float_type = np.float16 if self.manifest.dtype == "fp16" else np.float32

@@ -70,7 +70,10 @@ class Service:
     def __init__(self, settings: Settings, worker_factory: WorkerFactory):
         self.settings = settings
         self.worker_factory = worker_factory
-        self.metrics = Metrics(settings.max_batch_tokens, settings.max_batch_size)
+        # batch-token histogram up to the largest device budget, and at least 16384 so that a long
+        # window that runs alone over a small (CPU) budget still lands in a finite bucket
+        budget = max(settings.batch_tokens_for(d) for d in settings.devices)
+        self.metrics = Metrics(max(budget, 16384), settings.max_batch_size)
         self.models: dict[str, ServedModel] = {}
         self.defaults: dict[str, str] = {}
         self.tokenizer_pool: ThreadPoolExecutor | None = None
@@ -103,7 +106,8 @@ class Service:
                 devices = [s.devices[0]]
             else:
                 policy = BatchingPolicy(
-                    max_batch_tokens=s.max_batch_tokens,
+                    # each worker passes its own budget (batch_tokens_for its device); this is the fallback
+                    max_batch_tokens=max(s.batch_tokens_for(d) for d in s.devices),
                     max_batch_size=s.max_batch_size if s.batching else 1,
                     max_wait_s=s.max_wait_ms / 1000.0 if s.batching else 0.0,
                     bucket_size=info.block_size,

@@ -10,6 +10,16 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+# Default padded-token budget of one batch, per worker device (`max_batch_tokens` unset). On a
+# GPU a batch costs little more than one sequence until the device is full, so batches are big.
+# On a CPU a batch costs about the sum of its sequences (ONNX Runtime's threads are busy with one
+# sequence already), and beyond a small batch the larger working set costs more than batching
+# saves: measured in docs/service.md ("CPU batching defaults"), so a CPU worker batches only
+# short sequences (e.g. four of 256 tokens) and runs longer ones alone.
+CPU_MAX_BATCH_TOKENS = 1024
+GPU_MAX_BATCH_TOKENS = 16384
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LONGDOC_", frozen=True, extra="forbid")
 
@@ -25,7 +35,8 @@ class Settings(BaseSettings):
 
     # dynamic batching (per model)
     batching: bool = True  # False: every sequence runs alone (max_batch_size 1, no wait)
-    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="padded tokens per batch; unset: per device (batch_tokens_for)")
     max_batch_size: int = Field(32, ge=1)
     max_wait_ms: float = Field(2.0, ge=0)
     max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
@@ -54,6 +65,14 @@ class Settings(BaseSettings):
         if not devices:
             raise ValueError("at least one device")
         return devices
+
+
+    def batch_tokens_for(self, device: str) -> int:
+        """The padded-token budget of a batch on a worker of this device: `max_batch_tokens` if
+        set, else CPU_MAX_BATCH_TOKENS for cpu and GPU_MAX_BATCH_TOKENS for cuda / cuda:N."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return CPU_MAX_BATCH_TOKENS if device == "cpu" else GPU_MAX_BATCH_TOKENS
 
 
 def parse_model_flags(flags: list[str]) -> dict[str, Path]:

@@ -120,6 +120,18 @@ class _DecodeState:
     length: int = 0  # decoder tokens fed so far (= its next position id)
 
 
+def parse_device(device: str) -> tuple[str, int]:
+    """"cpu" -> ("cpu", 0); "cuda" -> ("cuda", 0); "cuda:N" -> ("cuda", N)."""
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    return "cuda", int(index)
+
+
 def _stack_padded(arrays: list[np.ndarray], axis: int, left: bool = False) -> np.ndarray:
     """Concatenate (1, ...) arrays along batch, zero-padding `axis` to the longest."""
     n = max(a.shape[axis] for a in arrays)
@@ -139,9 +151,11 @@ class OnnxWorker:
         from export.runtime import OnnxModel  # torch-free
 
         self.device = device
-        self.model = OnnxModel(directory, device="cuda" if device.startswith("cuda") else "cpu", threads=threads)
+        kind, device_id = parse_device(device)
+        self.model = OnnxModel(directory, device=kind, threads=threads, device_id=device_id)
         self.info = _info_from_model(name, Path(directory), self.model)
-        self.max_batch_tokens = max(max_batch_tokens, self.info.max_length)
+        # the padded-token budget of one batch; a single sequence over it still runs (alone)
+        self.max_batch_tokens = max_batch_tokens
         self._healthy = True
 
     def health(self) -> bool:
@@ -271,15 +285,16 @@ class CudaWorker(OnnxWorker):
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
     hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Not run here: the
-    development machine has no GPU (the I/O-binding path is tested on CPU). OnnxModel takes no
-    device id yet, so only cuda / cuda:0 are accepted."""
+    development machine has no GPU (the I/O-binding path is tested on CPU). `cuda:N` runs on GPU
+    N (the CUDA provider's `device_id` option; `cuda` is GPU 0)."""
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
-                 max_batch_tokens: int = 65536):
-        if device not in ("cuda", "cuda:0"):
-            raise ValueError(f"device {device}: only cuda:0 is supported (export.runtime has no device id)")
-        super().__init__(name, directory, device="cuda", threads=threads, max_batch_tokens=max_batch_tokens)
-        self.encoder = IoBindingEncoder(self.model, "cuda", 0)
+                 max_batch_tokens: int = 16384):
+        kind, device_id = parse_device(device)
+        if kind != "cuda":
+            raise ValueError(f"device {device!r}: CudaWorker needs cuda or cuda:N")
+        super().__init__(name, directory, device=device, threads=threads, max_batch_tokens=max_batch_tokens)
+        self.encoder = IoBindingEncoder(self.model, "cuda", device_id)
         if self.info.dtype != "fp16":
             import logging
 
@@ -296,8 +311,8 @@ class CudaWorker(OnnxWorker):
 
 def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Worker:
     if device.startswith("cuda"):
-        return CudaWorker(name, directory, device, settings.threads, settings.max_batch_tokens)
-    return OnnxWorker(name, directory, device, settings.threads, settings.max_batch_tokens)
+        return CudaWorker(name, directory, device, settings.threads, settings.batch_tokens_for(device))
+    return OnnxWorker(name, directory, device, settings.threads, settings.batch_tokens_for(device))
 
 
 # ---------------------------------------------------------------------------------------------

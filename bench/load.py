@@ -2,8 +2,11 @@
 
 Starts the server itself (one subprocess per batching mode) on 127.0.0.1, sweeps client
 concurrency, and prints throughput and p50/p95/p99 latency, with dynamic batching on and off.
-Also measures the offline batched throughput of the same model (export.runtime.OnnxModel, no
-HTTP) and the service overhead: client latency minus the server's x-inference-time.
+Also measures the offline throughput of the same model at several batch sizes
+(export.runtime.OnnxModel, no HTTP; the reference is the best of them), open-loop latency at a
+fraction of saturation for Poisson and paced arrivals next to an ideal FIFO server replaying the
+same send times (service time = offline batch-1 latency: the queueing a perfect server would
+show too), and the service overhead: client latency minus the server's x-inference-time.
 
     python bench/load.py --model-dir models/qa --doc-tokens 1024 --concurrency 1,4,16,32
 
@@ -114,28 +117,60 @@ async def sweep_point(url: str, task: str, docs: list[str], concurrency: int, n_
             "server_total_ms": statistics.fmean(server_total) * 1000 if server_total else float("nan")}
 
 
-async def open_loop(url: str, task: str, docs: list[str], rate: float, n_requests: int, seed: int = 0) -> dict:
-    """Poisson arrivals at `rate` requests/s (independent of the answers), n_requests in all."""
-    rng = np.random.default_rng(seed)
-    latencies, codes = [], []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+def arrival_times(kind: str, rate: float, n: int, seed: int = 0) -> np.ndarray:
+    """Send times in seconds from the start: "poisson" (exponential gaps, mean 1/rate) or
+    "paced" (a constant gap of 1/rate: the same mean rate without bursts)."""
+    if kind == "poisson":
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    elif kind == "paced":
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        raise ValueError(f"arrivals {kind!r}: poisson or paced")
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+
+
+def ideal_fifo(arrivals, service_s: float) -> np.ndarray:
+    """Latencies of an ideal single FIFO server with a constant service time (no overhead, no
+    batching) for these arrival times: each request starts when it arrives or when the one before
+    it finishes, whichever is later (M/D/1 for Poisson arrivals, D/D/1 for paced ones)."""
+    free, out = -np.inf, []
+    for a in arrivals:
+        free = max(a, free) + service_s
+        out.append(free - a)
+    return np.asarray(out)
+
+
+def _percentiles(latencies_s) -> dict:
+    q = np.percentile(latencies_s, [50, 95, 99]) * 1000 if len(latencies_s) else [float("nan")] * 3
+    return {"p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2], "p99_over_p50": q[2] / q[0]}
+
+
+async def open_loop(url: str, task: str, docs: list[str], arrivals: np.ndarray) -> dict:
+    """One request at each planned time in `arrivals` (seconds from the start, independent of the
+    answers). Records the actual send times, which the ideal-server replay uses."""
+    latencies, codes, sent = {}, {}, {}
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=512)) as client:
         async def one(i):
             path, body = request_for(task, docs[i % len(docs)])
             t = time.perf_counter()
+            sent[i] = t - start
             r = await client.post(path, json=body)
-            latencies.append(time.perf_counter() - t)
-            codes.append(r.status_code)
+            latencies[i] = time.perf_counter() - t
+            codes[i] = r.status_code
 
         tasks, start = [], time.perf_counter()
-        for i in range(n_requests):
+        for i, at in enumerate(arrivals):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
-            await asyncio.sleep(rng.exponential(1.0 / rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-    ok = [lat for lat, c in zip(latencies, codes) if c == 200]
-    q = np.percentile(ok, [50, 95, 99]) * 1000
-    return {"rate": rate, "requests": n_requests, "ok": len(ok), "seconds": wall, "p50_ms": q[0], "p95_ms": q[1],
-            "p99_ms": q[2]}
+    ok = [latencies[i] for i in sorted(latencies) if codes[i] == 200]
+    send_times = np.array([sent[i] for i in sorted(sent)])
+    lag = send_times - np.asarray(arrivals)[: len(send_times)]
+    return {"requests": len(arrivals), "ok": len(ok), "seconds": wall, "send_times": send_times.tolist(),
+            "max_send_lag_ms": float(lag.max() * 1000), **_percentiles(ok)}
 
 
 def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: int, threads: int | None,
@@ -206,12 +241,19 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64, help="per sweep point")
     ap.add_argument("--max-seconds", type=float, default=60, help="per sweep point")
     ap.add_argument("--modes", default="on,off", help="dynamic batching: on, off or on,off")
+    ap.add_argument("--offline-seconds", type=float, default=10, help="per offline batch size")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (server and offline)")
-    ap.add_argument("--offline-batch", type=int, default=8)
+    ap.add_argument("--offline-batch", default="1,2,4,8",
+                    help="offline batch sizes (comma-separated); the reference is the best of them")
     ap.add_argument("--overhead-doc-tokens", type=int, default=None,
                     help="also measure service overhead at concurrency 1 on documents of this many tokens")
     ap.add_argument("--open-loop-fraction", type=float, default=0.7,
-                    help="with batching on, also send Poisson arrivals at this fraction of the best throughput")
+                    help="with batching on, also send open-loop arrivals (--arrivals) at this fraction of the "
+                         "best throughput, and replay them through an ideal FIFO server (offline batch-1 time)")
+    ap.add_argument("--arrivals", default="poisson,paced",
+                    help="open-loop arrival processes: poisson (exponential gaps) and/or paced (constant gaps)")
+    ap.add_argument("--open-loop-requests", type=int, default=None,
+                    help="requests per open-loop run (default: max(--requests, 200))")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--make-model", metavar="TASK", help="first export a random bench model of this task "
                     "(qa or classify) to --model-dir (needs torch)")
@@ -230,9 +272,15 @@ def main() -> int:
           f"{manifest['num_layers']} layers, hidden {manifest['hidden_size']}; documents of {args.doc_tokens} tokens")
 
     if task != "summarize":
-        rate = offline_throughput(args.model_dir, task, docs, args.offline_batch, args.threads, 10)
-        results["offline_docs_per_s"] = rate
-        print(f"offline batched (batch {args.offline_batch}, no HTTP): {rate:.2f} docs/s")
+        offline = {}
+        for b in [int(x) for x in args.offline_batch.split(",")]:
+            offline[b] = offline_throughput(args.model_dir, task, docs, b, args.threads, args.offline_seconds)
+            print(f"offline (batch {b}, no HTTP): {offline[b]:.2f} docs/s", flush=True)
+        best_batch = max(offline, key=offline.get)
+        results["offline"] = {str(b): r for b, r in offline.items()}
+        results["offline_best_batch"] = best_batch
+        results["offline_docs_per_s"] = offline[best_batch]
+        print(f"offline reference (best batch size, {best_batch}): {offline[best_batch]:.2f} docs/s")
 
     for mode in args.modes.split(","):
         proc, url = start_server(args.model_dir, mode == "on", args.threads, [])
@@ -250,11 +298,23 @@ def main() -> int:
             if mode == "on" and args.open_loop_fraction:
                 saturation = max(r["throughput_rps"] for r in rows)
                 rate = args.open_loop_fraction * saturation
-                row = asyncio.run(open_loop(url, task, docs, rate, args.requests))
-                results["open_loop"] = dict(row, saturation_rps=saturation)
-                print(f"\nopen loop at {args.open_loop_fraction:.0%} of saturation ({rate:.2f} req/s, Poisson): "
-                      f"p50 {row['p50_ms']:.0f} ms, p95 {row['p95_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms "
-                      f"(p99/p50 {row['p99_ms'] / row['p50_ms']:.2f})", flush=True)
+                service_s = 1.0 / results["offline"]["1"] if "1" in results.get("offline", {}) else None
+                results["open_loop"] = {"saturation_rps": saturation, "rate_rps": rate,
+                                        "ideal_service_ms": service_s and service_s * 1000}
+                n_open = args.open_loop_requests or max(args.requests, 200)
+                for kind in args.arrivals.split(","):
+                    row = asyncio.run(open_loop(url, task, docs, arrival_times(kind, rate, n_open)))
+                    line = (f"\nopen loop, {kind} arrivals at {args.open_loop_fraction:.0%} of saturation "
+                            f"({rate:.2f} req/s, {row['ok']}/{n_open} ok): measured p50 {row['p50_ms']:.0f} ms, "
+                            f"p95 {row['p95_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms (p99/p50 {row['p99_over_p50']:.2f})")
+                    if service_s:
+                        ideal = _percentiles(ideal_fifo(row["send_times"], service_s))
+                        row["ideal_fifo"] = ideal
+                        line += (f"\n  ideal FIFO server, same send times, service {service_s * 1000:.1f} ms "
+                                 f"(offline batch 1): p50 {ideal['p50_ms']:.0f} ms, p95 {ideal['p95_ms']:.0f} ms, "
+                                 f"p99 {ideal['p99_ms']:.0f} ms (p99/p50 {ideal['p99_over_p50']:.2f})")
+                    results["open_loop"][kind] = row
+                    print(line, flush=True)
             if mode == "on" and args.overhead_doc_tokens:
                 long_docs = [make_document(tok, args.overhead_doc_tokens, 100 + s) for s in range(4)]
                 row = asyncio.run(sweep_point(url, task, long_docs, 1, 8, args.max_seconds))
@@ -269,9 +329,12 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
-    if "offline_docs_per_s" in results and "on" in results["modes"]:
-        best = max(r["throughput_rps"] for r in results["modes"]["on"])
-        print(f"\nbest service throughput with batching / offline batched: {best / results['offline_docs_per_s']:.2f}x")
+    if "offline_docs_per_s" in results:
+        ref = results["offline_docs_per_s"]
+        for mode, rows in results["modes"].items():
+            ratios = ", ".join(f"{r['concurrency']}: {r['throughput_rps'] / ref:.2f}x" for r in rows)
+            print(f"\nbatching {mode}: service throughput / best offline "
+                  f"(batch {results['offline_best_batch']}, {ref:.2f} docs/s) by concurrency: {ratios}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -281,11 +281,87 @@ class IoBindingEncoder:
         return result
 
 
+class IoBindingDecoder:
+    """Greedy decoder steps through ONNX Runtime I/O binding, for the summarizer on a GPU: the
+    batch's KV cache (`present_*`), its cross-attention keys/values and encoder mask stay on the
+    device between steps; per step only the new token ids, position ids and the self mask go up
+    and only the logits come back. Valid while the batch is the same sequences in the same order
+    (the DecodeScheduler's steady state); when sequences join or leave, the device cache is copied
+    back into each state's `past` (`release`) and the new batch is stacked on the host and
+    uploaded, as `OnnxWorker.step` does. Works on any execution provider (tested on CPU against
+    `OnnxWorker.step`, i.e. `OnnxModel.decoder_step`)."""
+
+    def __init__(self, model, device_type: str = "cpu", device_id: int = 0):
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.model = model
+        self.session = model.sessions["decoder"]
+        self.device_type, self.device_id = device_type, device_id
+        L = model.manifest.decoder["num_layers"]
+        self.kv = [f"{kind}_{i}" for i in range(L) for kind in ("key", "value")]  # past order: key_0, value_0, ...
+        self._batch: dict[str, Any] | None = None  # the batch whose caches live on the device
+        self.uploads = 0  # times a batch was stacked and uploaded (tests: reuse between steps)
+
+    def _device(self, a: np.ndarray):
+        return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, self.device_id)
+
+    def release(self) -> None:
+        """Copy the device KV cache back into the states' `past` and forget the device batch."""
+        b, self._batch = self._batch, None
+        if b is None:
+            return
+        host = [v.numpy() for v in b["past"]]  # (B, H, P, D)
+        P = host[0].shape[2]
+        for i, s in enumerate(b["states"]):
+            s.past = [p[i : i + 1, :, P - s.length :] for p in host]
+
+    def _upload(self, states: list[_DecodeState]) -> dict[str, Any]:
+        n_kv = len(self.kv)
+        cross = [_stack_padded([s.cross[k] for s in states], axis=2) for k in range(n_kv)]  # (B, H, Se, D)
+        enc_mask = _stack_padded([s.encoder_mask for s in states], axis=1)  # (B, Se)
+        past = [_stack_padded([s.past[k] for s in states], axis=2, left=True) for k in range(n_kv)]  # (B, H, P, D)
+        self.uploads += 1
+        return {"key": tuple(map(id, states)), "states": tuple(states), "P": past[0].shape[2],
+                "past": [self._device(p) for p in past], "cross": [self._device(c) for c in cross],
+                "encoder_mask": self._device(enc_mask)}
+
+    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
+        b = self._batch
+        if b is None or b["key"] != tuple(map(id, states)):  # the states are held by b: ids are unique
+            self.release()
+            b = self._upload(states)
+        P = b["P"]
+        self_mask = np.zeros((len(states), P + 1), dtype=np.int64)  # (B, P + 1), past left-padded
+        for i, s in enumerate(states):
+            self_mask[i, P - s.length :] = 1
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([[t] for t in tokens], dtype=np.int64))  # (B, 1)
+        binding.bind_cpu_input("position_ids", np.array([[s.length] for s in states], dtype=np.int64))
+        binding.bind_cpu_input("self_mask", self_mask)
+        binding.bind_ortvalue_input("encoder_mask", b["encoder_mask"])
+        for name, past, cross in zip(self.kv, b["past"], b["cross"]):
+            binding.bind_ortvalue_input(f"past_{name}", past)
+            binding.bind_ortvalue_input(f"cross_{name}", cross)
+        binding.bind_output("logits", "cpu")
+        for name in self.kv:
+            binding.bind_output(f"present_{name}", self.device_type, self.device_id)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()  # (B, 1, V)
+        for s in states:
+            s.past = None  # on the device until release()
+            s.length += 1
+        self._batch = dict(b, past=outputs[1:], P=P + 1)
+        return logits[:, -1]
+
+
 class CudaWorker(OnnxWorker):
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
-    hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Not run here: the
-    development machine has no GPU (the I/O-binding path is tested on CPU). `cuda:N` runs on GPU
+    hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Greedy decoder
+    steps of a summarizer go through `IoBindingDecoder` (the KV cache stays on the GPU). Not run
+    here: the development machine has no GPU (both I/O-binding paths are tested on CPU). `cuda:N` runs on GPU
     N (the CUDA provider's `device_id` option; `cuda` is GPU 0)."""
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
@@ -295,6 +371,7 @@ class CudaWorker(OnnxWorker):
             raise ValueError(f"device {device!r}: CudaWorker needs cuda or cuda:N")
         super().__init__(name, directory, device=device, threads=threads, max_batch_tokens=max_batch_tokens)
         self.encoder = IoBindingEncoder(self.model, "cuda", device_id)
+        self.decoder = IoBindingDecoder(self.model, "cuda", device_id) if self.info.task == "summarize" else None
         if self.info.dtype != "fp16":
             import logging
 
@@ -304,6 +381,14 @@ class CudaWorker(OnnxWorker):
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
         try:
             return self.encoder.run(batch)
+        except Exception:
+            self._healthy = False
+            raise
+
+    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
+        """One greedy decoder step; the batch's KV cache stays on the GPU between steps."""
+        try:
+            return self.decoder.step(states, tokens)
         except Exception:
             self._healthy = False
             raise

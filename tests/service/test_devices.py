@@ -101,3 +101,10 @@ def test_cuda_worker_for_cuda_n(recorded_sessions, tiny_qa_dir):
     assert recorded_sessions[-1][1][0] == ("CUDAExecutionProvider", {"device_id": 0})
     with pytest.raises(ValueError, match="cuda"):
         CudaWorker("qa", tiny_qa_dir, "cpu")
+
+
+def test_cuda_worker_decodes_through_io_binding_on_its_gpu(recorded_sessions, tiny_summarize_dir):
+    w = CudaWorker("sum", tiny_summarize_dir, "cuda:1", threads=1)
+    assert (w.decoder.device_type, w.decoder.device_id) == ("cuda", 1)
+    assert all(p == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+               for _, p in recorded_sessions)

@@ -1,9 +1,10 @@
 """BigBird models in PyTorch (block-sparse attention, weight-compatible with the public
 Hugging Face checkpoints) and training code.
 
-`model.layout` and `model.tokenization` are pure NumPy / tokenizers and importable without
-torch (the service uses them). Everything torch-backed is loaded lazily on first attribute
-access, so `import model.layout` never imports torch.
+`model.layout`, `model.lengths`, `model.search` (greedy / beam search) and `model.tokenization`
+are pure NumPy / tokenizers and importable without torch (the service uses them). Everything
+torch-backed is loaded lazily on first attribute access, so `import model.layout` never imports
+torch.
 """
 
 from __future__ import annotations

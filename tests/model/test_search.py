@@ -1,0 +1,107 @@
+"""model.search, the one NumPy greedy / beam search: torch-free, `should_stop`, settings
+resolution, and the two drivers' primitives (NumPy's vs torch's log_softmax / topk) agreeing
+on well-separated scores. Parity with transformers is tests/model/test_generation.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model.search import GenerationStopped, SearchSettings, beam_search, greedy_search, resolve_settings
+
+EOS, PAD, START, V = 1, 0, 2, 23
+
+
+def table_decoder(seed: int):
+    """next_logits for a fixed random next-token table keyed by the whole prefix (so reorder has
+    nothing to do); eos gets a bias so hypotheses end at different lengths."""
+
+    def next_logits(sequences: np.ndarray) -> np.ndarray:
+        rows = []
+        for row in sequences.tolist():
+            g = np.random.default_rng([seed, *row])
+            x = g.standard_normal(V).astype(np.float32) * 2
+            x[EOS] += 1.0
+            rows.append(x)
+        return np.stack(rows)
+
+    return next_logits
+
+
+def settings(**kw) -> SearchSettings:
+    return SearchSettings(**{**dict(max_length=9, eos_token_ids=(EOS,), pad_token_id=PAD,
+                                    decoder_start_token_id=START), **kw})
+
+
+def test_search_imports_without_torch():
+    code = ("import sys, model.search, export.generation; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_should_stop_is_checked_before_every_decoder_step(num_beams):
+    next_logits = table_decoder(0)
+    steps = []
+
+    def counting(sequences):
+        steps.append(sequences.shape[1])
+        return next_logits(sequences)
+
+    def run(should_stop=None):
+        s = settings(num_beams=num_beams, max_length=12)
+        if num_beams == 1:
+            return greedy_search(counting, 2, s, should_stop)
+        return beam_search(counting, lambda rows: None, 2, s, should_stop)
+
+    plain = run()
+    n_steps = len(steps)
+    assert n_steps >= 3
+    steps.clear()
+    assert run(lambda: False).tolist() == plain.tolist()
+    calls = []
+
+    def stop_at_third():
+        calls.append(len(steps))  # decoder steps taken before this check
+        return len(calls) == 3
+
+    steps.clear()
+    with pytest.raises(GenerationStopped):
+        run(stop_at_third)
+    assert calls == [0, 1, 2] and len(steps) == 2
+
+
+def test_resolve_settings_given_then_defaults_then_transformers():
+    s = resolve_settings({"num_beams": 4, "length_penalty": None, "max_length": 30, "eos_token_id": [1, 5],
+                          "forced_eos_token_id": 1, "decoder_start_token_id": 7},
+                         num_beams=2, min_length=3)
+    assert s == SearchSettings(max_length=30, num_beams=2, length_penalty=1.0, early_stopping=False,
+                               no_repeat_ngram_size=0, min_length=3, eos_token_ids=(1, 5), pad_token_id=None,
+                               decoder_start_token_id=7, forced_eos_token_ids=(1,))
+    assert resolve_settings({}, max_new_tokens=5).max_length == 6
+    assert resolve_settings({}) == SearchSettings(max_length=20)
+
+
+def test_numpy_and_torch_primitives_agree_on_separated_scores():
+    """The ONNX driver uses NumPy's log_softmax / topk, the PyTorch driver torch's: they differ
+    only in the last bit and in tie order, so on these random tables (no near-ties) the tokens
+    are the same, and the searches did run to different lengths."""
+    torch = pytest.importorskip("torch")
+    from model import generation
+
+    widths = set()
+    for seed in range(4):
+        next_logits = table_decoder(seed)
+        for nb, lp, es, ng in [(2, 1.0, False, 0), (3, 0.6, True, 2), (4, 2.0, "never", 0), (3, 1.0, False, 3)]:
+            s = settings(num_beams=nb, length_penalty=lp, early_stopping=es, no_repeat_ngram_size=ng)
+            a = beam_search(next_logits, lambda rows: None, 3, s)
+            b = generation.beam_search(lambda seq: torch.from_numpy(next_logits(seq.numpy())), lambda rows: None, 3, s)
+            assert b.dtype == torch.long
+            assert b.tolist() == a.tolist(), (seed, nb, lp, es, ng)
+            widths.add(a.shape[1])
+    assert len(widths) >= 2

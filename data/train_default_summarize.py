@@ -108,6 +108,35 @@ def build_init(out_dir: str | Path = INIT) -> Path:
     return out
 
 
+# ----------------------------------------------------------------------------- training mix
+
+# The auxiliary task's marker: a page whose text starts with it asks for the first sentence of its
+# DESCRIPTION instead of the NAME line. Served documents never start with it.
+COPY_PREFIX = "first sentence of the description:\n"
+
+
+def build_mix(train: str | Path, out: str | Path) -> Path:
+    """NAME pairs plus one auxiliary pair per page: (COPY_PREFIX + page, first sentence of its
+    DESCRIPTION). The auxiliary target is what the lead-description baseline outputs; learning to
+    find and copy it is the skill the NAME line (a paraphrase of that sentence, usually) needs and a
+    randomly initialised decoder lacks. Only training pages are used: no test page is read."""
+    from export.evaluate import lead_description
+
+    out = Path(out)
+    rows = [json.loads(line) for line in Path(train).read_text().splitlines() if line.strip()]
+    n_aux = 0
+    with out.open("w") as fh:
+        for r in rows:
+            fh.write(json.dumps({"id": r["id"], "document": r["document"], "summary": r["summary"]}) + "\n")
+            target = lead_description(r["document"]).strip()
+            if target:
+                n_aux += 1
+                fh.write(json.dumps({"id": r["id"] + "#copy", "document": COPY_PREFIX + r["document"],
+                                     "summary": target}) + "\n")
+    print(f"{out}: {len(rows)} NAME pairs + {n_aux} first-sentence pairs")
+    return out
+
+
 # ----------------------------------------------------------------------------- shipping
 
 
@@ -255,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", help="start from this checkpoint instead of a fresh init")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output")
+    parser.add_argument("--mix", action="store_true",
+                        help="add the first-DESCRIPTION-sentence task (build_mix) to the NAME pairs")
     args = parser.parse_args(argv)
+    if args.mix:
+        args.train = str(build_mix(args.train, Path(args.train).with_name("summarize_mix_train.jsonl")))
 
     import torch
 

@@ -32,6 +32,9 @@ from export.layout_feed import LAYOUT_INPUTS  # noqa: F401  (re-exported)
 
 
 
+HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
+
+
 @dataclass(frozen=True)
 class AttentionContext:
     """Tensors shared by every layer of one graph."""
@@ -43,6 +46,12 @@ class AttentionContext:
     key_mask_blocks: str | None  # (B, nb, bs) 1.0 = real token (sparse graphs)
     head_offset: str | None  # (H, 1, 1) int64: h * nb, turns per-head block ids into flat ids
     sparse: bool
+    heads_per_group: int = 0  # 0 = all heads at once
+
+    def head_groups(self) -> list[tuple[int, int]]:
+        """[start, stop) head ranges, computed one after another (the last may be shorter)."""
+        n = self.heads_per_group or self.num_heads
+        return [(h, min(h + n, self.num_heads)) for h in range(0, self.num_heads, n)]
 
 
 def declare_layout_inputs(g: GraphBuilder) -> None:
@@ -53,7 +62,8 @@ def declare_layout_inputs(g: GraphBuilder) -> None:
 
 
 def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
-                      head_dim: int, sparse: bool) -> AttentionContext:
+                      head_dim: int, sparse: bool, heads_per_group: int | None = None) -> AttentionContext:
+    """heads_per_group: None = HEADS_PER_GROUP, 0 = all heads in one group."""
     m = g.to_float(attention_mask)  # (B, S) 1.0 = real token
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), m]), g.fconst(NEG_INF)])
     key_bias = g.op("Unsqueeze", [bias, g.const([1, 2])])  # (B, 1, 1, S)
@@ -62,7 +72,9 @@ def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num
     key_mask_blocks = g.op("Reshape", [m, g.const([0, -1, block_size])])  # (B, nb, bs)
     nb = g.op("Gather", [g.op("Shape", [key_mask_blocks]), g.const(1)], axis=0)  # scalar
     head_offset = g.op("Mul", [g.const(np.arange(num_heads).reshape(num_heads, 1, 1)), nb])  # (H,1,1)
-    return AttentionContext(block_size, num_heads, head_dim, key_bias, key_mask_blocks, head_offset, True)
+    per_group = HEADS_PER_GROUP if heads_per_group is None else heads_per_group
+    return AttentionContext(block_size, num_heads, head_dim, key_bias, key_mask_blocks, head_offset, True,
+                            min(per_group, num_heads) if per_group > 0 else 0)
 
 
 def split_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
@@ -96,39 +108,59 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         return merge_heads(g, dense_attention(g, q, k, v, ctx.key_bias, scale), ctx)
 
     q = g.op("Mul", [q, g.fconst(scale)])
-    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, H, nb, bs, D)
-    k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, H*nb, bs, D)
-    v_flat = g.op("Reshape", [v, g.const([0, -1, bs, D])])  # (B, H*nb, bs, D)
-
-    # this layer's table
-    key_blocks = g.op("Gather", ["layout_key_blocks", g.const(layer)], axis=0)  # (H, nb, K)
+    key_blocks = g.op("Gather", ["layout_key_blocks", g.const(layer)], axis=0)  # (H, nb, K) this layer's table
     valid = g.op("Gather", ["layout_valid", g.const(layer)], axis=0)  # (H, nb, K)
-    flat_blocks = g.op("Add", [key_blocks, ctx.head_offset])  # (H, nb, K) ids into H*nb
+
+    # Heads in groups, one group after another: the gathered keys/values, scores and
+    # probabilities (each (B, h, nb, bs, K*bs), the activation peak) exist for one group at a time.
+    groups = ctx.head_groups()
+    outs = []
+    for h0, h1 in groups:
+        if len(groups) == 1:
+            parts = (q, k, v, key_blocks, valid, ctx.head_offset)
+        else:
+            start, stop = g.const([h0]), g.const([h1])
+            parts = tuple(g.op("Slice", [t, start, stop, g.const([axis])])
+                          for t, axis in ((q, 1), (k, 1), (v, 1), (key_blocks, 0), (valid, 0)))
+            parts += (g.op("Slice", [ctx.head_offset, g.const([0]), g.const([h1 - h0]), g.const([0])]),)
+        outs.append(_head_group_attention(g, *parts, ctx))
+    out = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1)  # (B, H, nb, bs, D)
+    out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
+    return g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
+
+
+def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: str, valid: str,
+                          head_offset: str, ctx: AttentionContext) -> str:
+    """One group of h heads: q (scaled), k, v (B, h, S, D); key_blocks, valid (h, nb, K);
+    head_offset (h, 1, 1) -> (B, h, nb, bs, D)."""
+    bs, D = ctx.block_size, ctx.head_dim
+    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
+    k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
+    v_flat = g.op("Reshape", [v, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
+    flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
 
     # sparse rows: gathered keys/values, one batched MatMul per side
     # (node order matters for peak memory: the gathered values are made only after the softmax,
     # so the gathered keys, the scores and the gathered values are never all alive at once)
-    kg = g.op("Gather", [k_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
-    kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
-    scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, H, nb, bs, K*bs)
+    kg = g.op("Gather", [k_flat, flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
+    kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, h, nb, bs, K*bs)
 
-    key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, H, nb, K, bs)
-    slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (H, nb, K, 1)
-    allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,H,nb,1,K*bs)
+    key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, h, nb, K, bs)
+    slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (h, nb, K, 1)
+    allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,h,nb,1,K*bs)
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
     probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
-    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, H, nb, K, bs, D)
-    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, H, nb, K*bs, D)
-    sparse_out = g.op("MatMul", [probs, vg])  # (B, H, nb, bs, D)
+    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
+    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    sparse_out = g.op("MatMul", [probs, vg])  # (B, h, nb, bs, D)
 
     # global rows: their query blocks attend to every key
-    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, H, G, bs, D)
-    qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, H, G*bs, D)
-    g_scores = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, H, G*bs, S)
+    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, D)
+    qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, h, G*bs, D)
+    g_scores = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, h, G*bs, S)
     g_probs = g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1)
-    global_out = g.op("Reshape", [g.op("MatMul", [g_probs, v]), g.const([0, 0, -1, bs, D])])  # (B,H,G,bs,D)
+    global_out = g.op("Reshape", [g.op("MatMul", [g_probs, v]), g.const([0, 0, -1, bs, D])])  # (B,h,G,bs,D)
 
-    both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, H, nb+G, bs, D)
-    out = g.op("Gather", [both, "block_source"], axis=2)  # (B, H, nb, bs, D)
-    out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
-    return g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
+    both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, h, nb+G, bs, D)
+    return g.op("Gather", [both, "block_source"], axis=2)  # (B, h, nb, bs, D)

@@ -16,18 +16,19 @@ from export.sparse_attention import attention_context, block_sparse_attention, d
 H, D, BS = 2, 4, 4
 
 
-def attention_graph(dtype="fp32"):
+def attention_graph(dtype="fp32", heads_per_group=None):
     g = GraphBuilder("attn", dtype)
     for name in ("q", "k", "v"):
         g.input(name, g.float_type, ["B", "S", H * D])
     g.input("attention_mask", TensorProto.INT64, ["B", "S"])
     declare_layout_inputs(g)
-    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=True)
+    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=True, heads_per_group=heads_per_group)
     g.output(block_sparse_attention(g, "q", "k", "v", 0, ctx), "out", None, ["B", "S", H * D])
     return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-SESSION = attention_graph()
+SESSION = attention_graph(heads_per_group=0)  # all heads at once
+GROUPED = attention_graph(heads_per_group=1)  # one head after the other (export/sparse_attention.py)
 
 
 def oracle(q, k, v, mask, key_blocks, valid, global_rows):
@@ -56,7 +57,11 @@ def oracle(q, k, v, mask, key_blocks, valid, global_rows):
 
 
 def run(q, k, v, mask, feed):
-    return SESSION.run(None, {"q": q, "k": k, "v": v, "attention_mask": mask, **feed})[0]
+    """Both graphs; head groups must not change the result."""
+    inputs = {"q": q, "k": k, "v": v, "attention_mask": mask, **feed}
+    out = SESSION.run(None, inputs)[0]
+    np.testing.assert_allclose(GROUPED.run(None, inputs)[0], out, atol=1e-6, rtol=1e-6)
+    return out
 
 
 @settings(max_examples=25, deadline=None)

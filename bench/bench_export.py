@@ -132,8 +132,12 @@ def _peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
+def measure(kind: str, path: str, S: int, reps: int, threads: int, mem_cap_gib: float = 0) -> dict:
     import numpy as np
+
+    if mem_cap_gib:  # fail cleanly (allocation error) instead of running the machine out of memory
+        cap = int(mem_cap_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     ids = np.random.default_rng(0).integers(100, 30000, (1, S)).astype(np.int64)
     mask = np.ones_like(ids)
@@ -155,6 +159,12 @@ def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        # ORT's default session options; like ours (export/runtime.py), the heap freed while
+        # loading goes back to the OS (not an ORT option: it applies to any session equally)
+        sys.path.insert(0, str(ROOT))
+        from export.runtime import _release_freed_heap
+
+        _release_freed_heap()
 
         def run():
             session.run(None, {"input_ids": ids, "attention_mask": mask})
@@ -182,9 +192,10 @@ def measure(kind: str, path: str, S: int, reps: int, threads: int) -> dict:
             "peak_gib": peak, "loaded_gib": rss_loaded, "act_gib": peak - rss_loaded}
 
 
-def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: float) -> dict:
+def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: float,
+              mem_cap_gib: float = 0) -> dict:
     cmd = [sys.executable, __file__, "--measure", kind, "--path", str(path), "--length", str(S),
-           "--reps", str(reps), "--threads", str(threads)]
+           "--reps", str(reps), "--threads", str(threads), "--mem-cap-gib", str(mem_cap_gib)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -192,7 +203,8 @@ def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: f
         return {"kind": kind, "length": S, "error": f"timeout after {timeout:.0f} s"}
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["?"]
-        tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x), lines[-1])
+        tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x or "alloc" in x.lower()),
+                    lines[-1])
         return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -314,6 +326,9 @@ def main() -> int:
     p.add_argument("--dense-max", type=int, default=8192,
                    help="longest length for full-onnx and hf-torch: both hold a dense (H, S, S) fp32 "
                         "attention tensor (transformers 5.x does even on the block-sparse path), 12.9 GB at 16384")
+    p.add_argument("--mem-cap-gib", type=float, default=0,
+                   help="address-space limit of each measuring process (0 = none): a model that needs more "
+                        "fails with an allocation error instead of exhausting the machine's memory")
     p.add_argument("--layout-check", type=int, metavar="LENGTH",
                    help="only compare layout-as-input with layout-as-constants at LENGTH (ours-fp32)")
     p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
@@ -321,7 +336,7 @@ def main() -> int:
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.path, args.length, args.reps, args.threads)))
+        print(json.dumps(measure(args.measure, args.path, args.length, args.reps, args.threads, args.mem_cap_gib)))
         return 0
 
     def log(msg):
@@ -333,7 +348,7 @@ def main() -> int:
         paths = prepare(args.work, 4096, log)
         layout_input_vs_constants(paths["ours-fp32"], args.layout_check, args.reps, args.threads)
         return 0
-    plans = [(4096, [int(x) for x in args.lengths.split(",")])]
+    plans = [(4096, [int(x) for x in args.lengths.split(",")])] if args.lengths else []
     if args.long:
         plans.append((16384, [8192, 16384]))
     results = []
@@ -355,7 +370,7 @@ def main() -> int:
                 path = paths["ckpt"] if kind == "hf-torch" else paths[kind]
                 reps = 1 if kind == "hf-traced" and S != TRACED_LENGTH else (args.reps if S <= 4096 else args.long_reps)
                 log(f"{kind} at {S} tokens ({reps} runs)")
-                r = run_child(kind, path, S, reps, args.threads, args.timeout)
+                r = run_child(kind, path, S, reps, args.threads, args.timeout, args.mem_cap_gib)
                 log(f"  -> {r.get('median', r.get('error'))}")
                 results.append(r)
                 write_report(results, args.out, header, args.threads)

@@ -34,14 +34,9 @@ class GraphBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
-        self.value_infos: list[onnx.ValueInfoProto] = []
         self._used: Counter[str] = Counter()
         self._consts: dict[tuple, str] = {}
         self.scope = ""
-        # (batch, sequence, hidden) dims of the residual stream, declared on every LayerNormalization
-        # output: ONNX shape inference loses the sequence name there, and ONNX Runtime fuses
-        # residual Add + LayerNormalization only when both Add inputs carry the same dim names
-        self.hidden_shape: list[int | str] | None = None
 
     def fresh(self, hint: str) -> str:
         hint = f"{self.scope}{hint}"
@@ -59,13 +54,6 @@ class GraphBuilder:
         self.op("Identity", [tensor], out=name)
         elem_type = self.float_type if elem_type is None else elem_type
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, list(shape)))
-
-    def value_info(self, tensor: str, elem_type: int | None, shape: Sequence[int | str]) -> None:
-        """Declare an intermediate tensor's shape where ONNX shape inference cannot name its
-        dimensions (after a Reshape with -1): ONNX Runtime's fusions (e.g. Add + LayerNormalization)
-        need matching symbolic dimensions."""
-        elem_type = self.float_type if elem_type is None else elem_type
-        self.value_infos.append(helper.make_tensor_value_info(tensor, elem_type, list(shape)))
 
     # --- tensors ---------------------------------------------------------------------
     def weight(self, name: str, array: np.ndarray) -> str:
@@ -104,12 +92,9 @@ class GraphBuilder:
 
     def layer_norm(self, x: str, weight: np.ndarray, bias: np.ndarray, eps: float, name: str) -> str:
         # stash_type=1: mean and variance in fp32 even in an fp16 graph
-        y = self.op("LayerNormalization", [x, self.weight(f"{name}.weight", weight),
-                                           self.weight(f"{name}.bias", bias)],
-                    axis=-1, epsilon=float(eps), stash_type=1)
-        if self.hidden_shape is not None and self.hidden_shape[-1] == np.shape(weight)[-1]:
-            self.value_info(y, None, self.hidden_shape)
-        return y
+        return self.op("LayerNormalization", [x, self.weight(f"{name}.weight", weight),
+                                              self.weight(f"{name}.bias", bias)],
+                       axis=-1, epsilon=float(eps), stash_type=1)
 
     def activation(self, x: str, kind: str) -> str:
         if kind == "relu":
@@ -131,8 +116,7 @@ class GraphBuilder:
 
     # --- result ----------------------------------------------------------------------
     def model(self, doc: str = "") -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
-                                  value_info=self.value_infos)
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                   producer_name="longdoc", ir_version=IR_VERSION, doc_string=doc)
         return model

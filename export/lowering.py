@@ -19,8 +19,8 @@ import numpy as np
 from onnx import TensorProto
 
 from export.graph import NEG_INF, GraphBuilder
-from export.sparse_attention import (AttentionContext, attention_context, declare_layout_inputs, dense_attention,
-                                     merge_heads, qkv_attention, qkv_weights, split_heads)
+from export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
+                                     declare_layout_inputs, dense_attention, merge_heads, split_heads)
 
 ENCODER_ARCHITECTURES = {
     "BigBirdForQuestionAnswering": "qa",
@@ -75,7 +75,6 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
     start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
-    g.hidden_shape = ["batch", "sequence", config["hidden_size"]]
     E, H = config["hidden_size"], config["num_attention_heads"]
     bs, eps, act = config["block_size"], config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
@@ -97,9 +96,9 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
-        qkv = qkv_weights([(w[f"{lp}attention.self.{n}.weight"], w.get(f"{lp}attention.self.{n}.bias"))
-                           for n in ("query", "key", "value")], E // H)
-        a = qkv_attention(g, g.linear(x, *qkv, "qkv"), i, ctx)  # (B, S, E)
+        q, k, v = (g.linear(x, w[f"{lp}attention.self.{n}.weight"], w.get(f"{lp}attention.self.{n}.bias"), n)
+                   for n in ("query", "key", "value"))
+        a = block_sparse_attention(g, q, k, v, i, ctx)  # (B, S, E)
         a = g.linear(a, w[f"{lp}attention.output.dense.weight"], w[f"{lp}attention.output.dense.bias"], "attn_out")
         x = g.layer_norm(g.op("Add", [a, x]), w[f"{lp}attention.output.LayerNorm.weight"],
                          w[f"{lp}attention.output.LayerNorm.bias"], eps, "attn_ln")
@@ -167,7 +166,6 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     dims = _pegasus_dims(config)
     E, H = dims["d_model"], dims["enc_heads"]
     g = GraphBuilder("bigbird_pegasus_encoder", dtype)
-    g.hidden_shape = ["batch", "sequence", dims["d_model"]]
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
     mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
     if sparse:
@@ -181,9 +179,9 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
         h = g.layer_norm(x, w[lp + "self_attn_layer_norm.weight"], w[lp + "self_attn_layer_norm.bias"], 1e-5, "ln1")
-        qkv = qkv_weights([(w[f"{lp}self_attn.self.{n}.weight"], w.get(f"{lp}self_attn.self.{n}.bias"))
-                           for n in ("query", "key", "value")], E // H)
-        a = qkv_attention(g, g.linear(h, *qkv, "qkv"), i, ctx)
+        q, k, v = (g.linear(h, w[f"{lp}self_attn.self.{n}.weight"], w.get(f"{lp}self_attn.self.{n}.bias"), n)
+                   for n in ("query", "key", "value"))
+        a = block_sparse_attention(g, q, k, v, i, ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "self_attn.output.weight"], w.get(lp + "self_attn.output.bias"),
                                      "attn_out")])
         h = g.layer_norm(x, w[lp + "final_layer_norm.weight"], w[lp + "final_layer_norm.bias"], 1e-5, "ln2")
@@ -215,7 +213,6 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
     E, H, L = dims["d_model"], dims["dec_heads"], dims["dec_layers"]
     D = E // H
     g = GraphBuilder("bigbird_pegasus_decoder", dtype)
-    g.hidden_shape = ["batch", "new", E]
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "new"])
     pos_ids = g.input("position_ids", TensorProto.INT64, ["batch", "new"])
     self_mask = g.input("self_mask", TensorProto.INT64, ["batch", "total"])

@@ -92,53 +92,22 @@ def merge_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
 def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float) -> str:
     """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
     to (B,H,T,S)."""
-    if scale != 1.0:
-        q = g.op("Mul", [q, g.fconst(scale)])
+    q = g.op("Mul", [q, g.fconst(scale)])
     scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, H, T, S)
     probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
     return g.op("MatMul", [probs, v])  # (B, H, T, D)
 
 
-def qkv_weights(weights: list[tuple[np.ndarray, np.ndarray | None]],
-                head_dim: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(weight, bias) of the query, key and value projections, PyTorch (out, in) layout -> one
-    (3 * out, in) projection for `GraphBuilder.linear`, with the attention scale 1/sqrt(D) folded
-    into the query rows (exact when D is a power of 4, e.g. 64: the scale is then a power of 2)."""
-    scale = 1.0 / float(np.sqrt(head_dim))
-    (wq, bq), (wk, bk), (wv, bv) = weights
-    weight = np.concatenate([np.asarray(wq, np.float32) * np.float32(scale), wk, wv], axis=0)
-    if bq is None and bk is None and bv is None:
-        return weight, None
-    zeros = np.zeros(weight.shape[0] // 3, np.float32)
-    bias = np.concatenate([zeros if bq is None else np.asarray(bq, np.float32) * np.float32(scale),
-                           zeros if bk is None else bk, zeros if bv is None else bv])
-    return weight, bias
-
-
 def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
                            ctx: AttentionContext) -> str:
     """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here."""
-    q = g.op("Mul", [q, g.fconst(1.0 / float(np.sqrt(ctx.head_dim)))])
-    return qkv_attention(g, g.op("Concat", [q, k, v], axis=2), layer, ctx)
-
-
-def qkv_attention(g: GraphBuilder, qkv: str, layer: int, ctx: AttentionContext) -> str:
-    """qkv: (B, S, 3*H*D), [q / sqrt(D), k, v] from one projection (`qkv_weights`); returns
-    (B, S, H*D), declared (batch, sequence, H*D) so that ONNX Runtime can fuse the residual Add
-    and LayerNormalization that follow."""
-    H, D = ctx.num_heads, ctx.head_dim
-    heads = g.op("Reshape", [qkv, g.const([0, 0, 3 * H, D])])  # (B, S, 3H, D)
-    heads = g.op("Transpose", [heads], perm=[0, 2, 1, 3])  # (B, 3H, S, D): q heads, k heads, v heads
-
-    def take(first: int, stop: int) -> str:
-        return g.op("Slice", [heads, g.const([first]), g.const([stop]), g.const([1])])
-
+    bs, D = ctx.block_size, ctx.head_dim
+    scale = 1.0 / float(np.sqrt(D))
+    q, k, v = (split_heads(g, t, ctx) for t in (q, k, v))  # (B, H, S, D)
     if not ctx.sparse:
-        out = merge_heads(g, dense_attention(g, take(0, H), take(H, 2 * H), take(2 * H, 3 * H), ctx.key_bias, 1.0),
-                          ctx)
-        g.value_info(out, None, ["batch", "sequence", H * D])
-        return out
+        return merge_heads(g, dense_attention(g, q, k, v, ctx.key_bias, scale), ctx)
 
+    q = g.op("Mul", [q, g.fconst(scale)])
     key_blocks = g.op("Gather", ["layout_key_blocks", g.const(layer)], axis=0)  # (H, nb, K) this layer's table
     valid = g.op("Gather", ["layout_valid", g.const(layer)], axis=0)  # (H, nb, K)
 
@@ -148,17 +117,16 @@ def qkv_attention(g: GraphBuilder, qkv: str, layer: int, ctx: AttentionContext) 
     outs = []
     for h0, h1 in groups:
         if len(groups) == 1:
-            table = (key_blocks, valid, ctx.head_offset)
+            parts = (q, k, v, key_blocks, valid, ctx.head_offset)
         else:
-            table = tuple(g.op("Slice", [t, g.const([h0]), g.const([h1]), g.const([0])]) for t in (key_blocks, valid))
-            table += (g.op("Slice", [ctx.head_offset, g.const([0]), g.const([h1 - h0]), g.const([0])]),)
-        outs.append(_head_group_attention(g, take(h0, h1), take(H + h0, H + h1), take(2 * H + h0, 2 * H + h1),
-                                          *table, ctx))
+            start, stop = g.const([h0]), g.const([h1])
+            parts = tuple(g.op("Slice", [t, start, stop, g.const([axis])])
+                          for t, axis in ((q, 1), (k, 1), (v, 1), (key_blocks, 0), (valid, 0)))
+            parts += (g.op("Slice", [ctx.head_offset, g.const([0]), g.const([h1 - h0]), g.const([0])]),)
+        outs.append(_head_group_attention(g, *parts, ctx))
     out = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1)  # (B, H, nb, bs, D)
     out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
-    out = g.op("Reshape", [out, g.const([0, -1, H * D])])  # (B, S, H*D)
-    g.value_info(out, None, ["batch", "sequence", H * D])
-    return out
+    return g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
 
 
 def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: str, valid: str,

@@ -83,6 +83,7 @@ class OnnxModel:
         from model.layout import AttentionSpec  # NumPy only
 
         self.attention_spec = AttentionSpec.from_dict(self.manifest.attention) if self.sparse else None
+        _release_freed_heap()
 
     # --- lengths and layouts ---------------------------------------------------------
     def padded_length(self, seq_len: int) -> tuple[int, str]:

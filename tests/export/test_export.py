@@ -210,3 +210,14 @@ def test_runtime_imports_no_torch_and_no_onnx(tiny_qa_dir):
             f"m = OnnxModel({str(tiny_qa_dir)!r}, threads=1); m.run_encoder(np.ones((1, 200), np.int64)); "
             "assert not {'torch', 'transformers', 'onnx'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_loading_returns_freed_heap_to_the_os(tiny_qa_dir, monkeypatch):
+    """OnnxModel trims the heap once its sessions exist (docs/export.md, memory)."""
+    import export.runtime as runtime
+
+    real, calls = runtime._release_freed_heap, []
+    monkeypatch.setattr(runtime, "_release_freed_heap", lambda: calls.append(1))
+    OnnxModel(tiny_qa_dir, threads=1)
+    assert calls == [1]
+    real()  # runs anywhere (a no-op off glibc Linux)

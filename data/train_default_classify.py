@@ -1,0 +1,53 @@
+"""Train the default section classifier (models/classify) on CPU: MiniLM warm-started to BigBird
+4096 (as models/qa), fine-tuned to tell a man page's manual section ("1".."8") from its text.
+
+    .venv/bin/python -m data.build_manpages                      # data/cache/manpages/classify_*.jsonl
+    .venv/bin/python -m data.train_default_classify              # warm start + longdoc train
+    .venv/bin/python -m data.ship_model data/cache/runs/classify models/classify --task classify --dtype int8
+    .venv/bin/longdoc eval models/classify --data data/cache/manpages/classify_test.jsonl --threads 2
+
+The input is the page without its NAME section, as data/build_manpages.py writes it (the running
+header, which names the section, is dropped there too). Pages are cut to the first
+--max-length word pieces for training (768 = 12 blocks of 64: block-sparse, above the 704-token
+full-attention threshold); served documents up to 4096 tokens are classified whole, longer ones
+by the mean of their windows' logits (service/windows.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CHECKPOINT = "data/cache/minilm-bigbird-4096"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--train", default="data/cache/manpages/classify_train.jsonl")
+    parser.add_argument("--output", default="data/cache/runs/classify")
+    parser.add_argument("--max-length", type=int, default=768)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from data.build_manpages import minilm_dir
+    from model.train import TrainConfig, train
+    from model.warmstart import warm_start
+
+    torch.set_num_threads(args.threads)
+    warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)
+    cfg = TrainConfig(task="classify", model=CHECKPOINT, train=args.train, output=args.output,
+                      max_length=args.max_length, batch_size=args.batch_size, max_steps=args.max_steps,
+                      lr=args.lr, warmup_ratio=0.1, log_every=1, save_every=25, eval_every=0,
+                      keep_checkpoints=2, device="cpu", seed=args.seed)
+    result = train(cfg)
+    print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

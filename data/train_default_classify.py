@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-CHECKPOINT = "data/cache/minilm-bigbird-4096"
+from data.train_default_qa import CHECKPOINT, run_time_boxed  # the same MiniLM -> BigBird 4096 warm start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,18 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.build_manpages import minilm_dir
-    from model.train import TrainConfig, train
     from model.warmstart import warm_start
 
     torch.set_num_threads(args.threads)
     warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)
-    cfg = TrainConfig(task="classify", model=CHECKPOINT, train=args.train, output=args.output,
-                      max_length=args.max_length, batch_size=args.batch_size, max_steps=args.max_steps,
-                      lr=args.lr, warmup_ratio=0.1, log_every=1, save_every=25, eval_every=0,
-                      keep_checkpoints=2, device="cpu", seed=args.seed)
-    result = train(cfg)
-    print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")
-    return 0
+    return run_time_boxed("classify", CHECKPOINT, args, save_every=25)
 
 
 if __name__ == "__main__":

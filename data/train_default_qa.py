@@ -102,15 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.build_manpages import minilm_dir
-    from model.train import TrainConfig, train
     from model.warmstart import warm_start
 
     torch.set_num_threads(args.threads)
     if args.init is None:
         warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)
-    cfg = TrainConfig(task="qa", model=args.init or CHECKPOINT, train=args.train, output=args.output,
+    return run_time_boxed("qa", args.init or CHECKPOINT, args, save_every=15)
+
+
+def run_time_boxed(task: str, model: str, args, save_every: int) -> int:
+    """`longdoc train` with the settings every default-model script uses (CPU, log each step, keep
+    2 checkpoints); `args` carries train, output, max_length, batch_size, max_steps, lr, seed."""
+    from model.train import TrainConfig, train
+
+    cfg = TrainConfig(task=task, model=model, train=args.train, output=args.output,
                       max_length=args.max_length, batch_size=args.batch_size, max_steps=args.max_steps,
-                      lr=args.lr, warmup_ratio=0.1, log_every=1, save_every=15, eval_every=0,
+                      lr=args.lr, warmup_ratio=0.1, log_every=1, save_every=save_every, eval_every=0,
                       keep_checkpoints=2, device="cpu", seed=args.seed)
     result = train(cfg)
     print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")

@@ -60,8 +60,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_devices(cls, devices: list[str]) -> list[str]:
         for d in devices:
-            if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
-                raise ValueError(f"device {d!r}: expected cpu, cuda or cuda:N")
+            parse_device(d)  # raises on anything but cpu, cuda, cuda:N
         if not devices:
             raise ValueError("at least one device")
         return devices
@@ -73,6 +72,18 @@ class Settings(BaseSettings):
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return CPU_MAX_BATCH_TOKENS if device == "cpu" else GPU_MAX_BATCH_TOKENS
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """"cpu" -> ("cpu", 0); "cuda" -> ("cuda", 0); "cuda:N" -> ("cuda", N)."""
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    return "cuda", int(index)
 
 
 def parse_model_flags(flags: list[str]) -> dict[str, Path]:

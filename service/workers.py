@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from export.generation import GenerationStopped  # numpy only, no torch
+from service.settings import parse_device
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
 
@@ -118,18 +119,6 @@ class _DecodeState:
     encoder_mask: np.ndarray  # (1, Se)
     past: list[np.ndarray]  # per decoder layer key, value: (1, H, P, D), P = length
     length: int = 0  # decoder tokens fed so far (= its next position id)
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """"cpu" -> ("cpu", 0); "cuda" -> ("cuda", 0); "cuda:N" -> ("cuda", N)."""
-    if device == "cpu":
-        return "cpu", 0
-    if device == "cuda":
-        return "cuda", 0
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
-    return "cuda", int(index)
 
 
 def _stack_padded(arrays: list[np.ndarray], axis: int, left: bool = False) -> np.ndarray:

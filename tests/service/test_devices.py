@@ -7,7 +7,8 @@ import pytest
 
 from export.runtime import OnnxModel, execution_providers
 from service.settings import CPU_MAX_BATCH_TOKENS, GPU_MAX_BATCH_TOKENS, Settings
-from service.workers import CudaWorker, OnnxWorker, onnx_worker_factory, parse_device
+from service.settings import parse_device
+from service.workers import CudaWorker, OnnxWorker, onnx_worker_factory
 
 
 def test_batch_token_budget_defaults_per_device():

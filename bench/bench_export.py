@@ -18,6 +18,11 @@ the block-sparse pattern; full attention for full-onnx) / median latency.
 
     .venv/bin/python bench/bench_export.py --work /tmp/longdoc-bench            # 1024..4096
     .venv/bin/python bench/bench_export.py --work /tmp/longdoc-bench --long     # + 8192, 16384
+    .venv/bin/python bench/bench_export.py --interleave ...    # kinds alternate run by run
+
+With --interleave, every kind at a length is loaded at once (one process each) and their runs
+alternate round-robin, so a slow spell of the shared machine hits every kind alike and the
+ratios hold; without it, each kind runs all its runs in turn.
 
 Writes docs/bench_export.md (table), docs/bench_export.json, docs/bench_export.png (log-log).
 """
@@ -132,7 +137,8 @@ def _peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def measure(kind: str, path: str, S: int, reps: int, threads: int, mem_cap_gib: float = 0) -> dict:
+def load(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0):
+    """The model of `kind`, ready to run on one batch-1 input of S tokens -> run()."""
     import numpy as np
 
     if mem_cap_gib:  # fail cleanly (allocation error) instead of running the machine out of memory
@@ -176,16 +182,28 @@ def measure(kind: str, path: str, S: int, reps: int, threads: int, mem_cap_gib: 
 
         def run():
             model.run_encoder(ids, mask)
+    return run
+
+
+def timed(run) -> tuple[float, float]:
+    """(wall s, CPU s of this process) of one run."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def measure(kind: str, path: str, S: int, reps: int, threads: int, mem_cap_gib: float = 0) -> dict:
+    """One child process, all runs of one kind back to back."""
+    run = load(kind, path, S, threads, mem_cap_gib)
     rss_loaded = _rss_gib()
-    start = time.perf_counter()
-    run()  # warm-up (and layout build)
-    warm = time.perf_counter() - start
-    times, cpu = [], []
-    for _ in range(reps):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        run()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - cpu_start)
+    warm = timed(run)[0]  # warm-up (and layout build)
+    times, cpu = zip(*(timed(run) for _ in range(reps)))
+    return summarize(kind, S, list(times), list(cpu), warm, rss_loaded)
+
+
+def summarize(kind: str, S: int, times: list[float], cpu: list[float], warm: float, rss_loaded: float) -> dict:
+    import numpy as np
+
     peak = _peak_gib()
     return {"kind": kind, "length": S, "times": times, "cpu": cpu, "median_cpu": float(np.median(cpu)),
             "warmup": warm, "median": float(np.median(times)),
@@ -207,6 +225,100 @@ def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: f
                     lines[-1])
         return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PROTOCOL = "@@bench "  # prefix of the lines a serving child writes for the parent
+
+
+def serve(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0) -> None:
+    """Child side of --interleave: load and warm up, then one timed run per "run" line on stdin."""
+    run = load(kind, path, S, threads, mem_cap_gib)
+    rss_loaded = _rss_gib()
+    warm = timed(run)[0]
+    times, cpu = [], []
+    print(PROTOCOL + "ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t, c = timed(run)
+        times.append(t)
+        cpu.append(c)
+        print(PROTOCOL + "done", flush=True)
+    print(PROTOCOL + json.dumps(summarize(kind, S, times, cpu, warm, rss_loaded)), flush=True)
+
+
+class ServingChild:
+    """A `serve` subprocess; every wait is bounded by `timeout` seconds (then it is killed)."""
+
+    def __init__(self, kind: str, path: Path, S: int, threads: int, timeout: float, mem_cap_gib: float):
+        self.kind, self.S, self.timeout, self.error = kind, S, timeout, None
+        cmd = [sys.executable, __file__, "--serve", kind, "--path", str(path), "--length", str(S),
+               "--threads", str(threads), "--mem-cap-gib", str(mem_cap_gib)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.expect("ready")
+
+    def expect(self, what: str | None = None) -> str | None:
+        """The next protocol line (None, with self.error set, if the child died or timed out)."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + self.timeout
+        while self.error is None:
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                self.proc.kill()
+                self.error = f"timeout after {self.timeout:.0f} s"
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                lines = self.proc.stderr.read().strip().splitlines() or ["?"]
+                tail = next((x for x in reversed(lines)
+                             if "invalid" in x.lower() or "Error" in x or "alloc" in x.lower()), lines[-1])
+                self.error = f"exit {self.proc.returncode}: {tail[:200]}"
+                break
+            if line.startswith(PROTOCOL):
+                body = line[len(PROTOCOL):].strip()
+                if what is None or body == what:
+                    return body
+        return None
+
+    def run_once(self) -> None:
+        if self.error is None:
+            self.proc.stdin.write("run\n")
+            self.proc.stdin.flush()
+            self.expect("done")
+
+    def finish(self) -> dict:
+        if self.error is None:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.flush()
+            body = self.expect()
+            self.proc.wait()
+            if body is not None:
+                return json.loads(body)
+        return {"kind": self.kind, "length": self.S, "error": self.error}
+
+
+def run_interleaved(jobs: list[tuple[str, Path]], S: int, reps: int, threads: int, timeout: float,
+                    mem_cap_gib: float, log) -> list[dict]:
+    """All kinds loaded at once in their own processes (each idle while another runs), then
+    round-robin: one run of each kind per round, the order rotated every round. A slow spell of
+    the shared machine then hits every kind alike, so the ratios within the run hold."""
+    children = []
+    for kind, path in jobs:
+        log(f"{kind} at {S} tokens: loading and warm-up")
+        children.append(ServingChild(kind, path, S, threads, timeout, mem_cap_gib))
+        if children[-1].error:
+            log(f"  -> {children[-1].error}")
+    for r in range(reps):
+        order = children[r % len(children):] + children[:r % len(children)]
+        for child in order:
+            child.run_once()
+        log(f"  round {r + 1}/{reps} done")
+    return [child.finish() for child in children]
 
 
 def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) -> None:
@@ -331,12 +443,19 @@ def main() -> int:
                         "fails with an allocation error instead of exhausting the machine's memory")
     p.add_argument("--layout-check", type=int, metavar="LENGTH",
                    help="only compare layout-as-input with layout-as-constants at LENGTH (ours-fp32)")
+    p.add_argument("--interleave", action="store_true",
+                   help="at each length, load every kind at once (one process each) and alternate their runs "
+                        "round-robin, so that the machine's drifts in speed hit all kinds alike")
     p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.path, args.length, args.reps, args.threads, args.mem_cap_gib)))
+        return 0
+    if args.serve:
+        serve(args.serve, args.path, args.length, args.threads, args.mem_cap_gib)
         return 0
 
     def log(msg):
@@ -360,6 +479,7 @@ def main() -> int:
         if "hf-traced" in kinds and max_position == 4096:
             paths["hf-traced"] = trace_export(paths["ckpt"], args.work / "hf-traced", TRACED_LENGTH, log)
         for S in lengths:
+            jobs = []
             for kind in kinds:
                 if kind in ("full-onnx", "hf-torch") and S > args.dense_max:
                     results.append({"kind": kind, "length": S, "error": f"not run (> --dense-max {args.dense_max}: "
@@ -367,10 +487,21 @@ def main() -> int:
                     continue
                 if kind == "hf-traced" and max_position != 4096:
                     continue
-                path = paths["ckpt"] if kind == "hf-torch" else paths[kind]
-                reps = 1 if kind == "hf-traced" and S != TRACED_LENGTH else (args.reps if S <= 4096 else args.long_reps)
-                log(f"{kind} at {S} tokens ({reps} runs)")
-                r = run_child(kind, path, S, reps, args.threads, args.timeout, args.mem_cap_gib)
+                jobs.append((kind, paths["ckpt"] if kind == "hf-torch" else paths[kind]))
+            reps = args.reps if S <= 4096 else args.long_reps
+            if args.interleave:
+                # the traced graph fails at any length but its own: one try is enough
+                traced_elsewhere = [j for j in jobs if j[0] == "hf-traced" and S != TRACED_LENGTH]
+                for kind, path in traced_elsewhere:
+                    results.append(run_child(kind, path, S, 1, args.threads, args.timeout, args.mem_cap_gib))
+                results += run_interleaved([j for j in jobs if j not in traced_elsewhere], S, reps, args.threads,
+                                           args.timeout, args.mem_cap_gib, log)
+                write_report(results, args.out, header, args.threads)
+                continue
+            for kind, path in jobs:
+                n = 1 if kind == "hf-traced" and S != TRACED_LENGTH else reps
+                log(f"{kind} at {S} tokens ({n} runs)")
+                r = run_child(kind, path, S, n, args.threads, args.timeout, args.mem_cap_gib)
                 log(f"  -> {r.get('median', r.get('error'))}")
                 results.append(r)
                 write_report(results, args.out, header, args.threads)

@@ -16,13 +16,14 @@ from export.sparse_attention import attention_context, block_sparse_attention, d
 H, D, BS = 2, 4, 4
 
 
-def attention_graph(dtype="fp32", heads_per_group=None):
+def attention_graph(dtype="fp32", heads_per_group=None, sparse=True):
     g = GraphBuilder("attn", dtype)
     for name in ("q", "k", "v"):
         g.input(name, g.float_type, ["B", "S", H * D])
     g.input("attention_mask", TensorProto.INT64, ["B", "S"])
-    declare_layout_inputs(g)
-    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=True, heads_per_group=heads_per_group)
+    if sparse:
+        declare_layout_inputs(g)
+    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=sparse, heads_per_group=heads_per_group)
     g.output(block_sparse_attention(g, "q", "k", "v", 0, ctx), "out", None, ["B", "S", H * D])
     return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -92,6 +93,21 @@ def test_dense_table_is_full_attention():
     mask[1, 13:] = 0
     got = run(q, k, v, mask, {n: a[:1] if n.startswith("layout") else a
                               for n, a in dense_layout_feed(1, H, nb).items()})
+    want = oracle(q, k, v, mask, np.zeros((H, nb, 0), int), np.zeros((H, nb, 0), bool), np.ones(nb, bool))
+    np.testing.assert_allclose(got[mask.astype(bool)], want[mask.astype(bool)], atol=1e-5)
+
+
+@pytest.mark.parametrize("heads_per_group", [0, 1])
+def test_full_attention_graph_in_head_groups(heads_per_group):
+    """The full-attention lowering (original_full checkpoints) gives the same result whether its
+    heads run at once or one group after another."""
+    sess = attention_graph(heads_per_group=heads_per_group, sparse=False)
+    rng = np.random.default_rng(3)
+    nb, S = 5, 5 * BS
+    q, k, v = (rng.standard_normal((2, S, H * D)).astype(np.float32) for _ in range(3))
+    mask = np.ones((2, S), np.int64)
+    mask[1, 9:] = 0
+    got = sess.run(None, {"q": q, "k": k, "v": v, "attention_mask": mask})[0]
     want = oracle(q, k, v, mask, np.zeros((H, nb, 0), int), np.zeros((H, nb, 0), bool), np.ones(nb, bool))
     np.testing.assert_allclose(got[mask.astype(bool)], want[mask.astype(bool)], atol=1e-5)
 

@@ -35,6 +35,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -220,11 +221,16 @@ def run_child(kind: str, path: Path, S: int, reps: int, threads: int, timeout: f
     except subprocess.TimeoutExpired:
         return {"kind": kind, "length": S, "error": f"timeout after {timeout:.0f} s"}
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["?"]
-        tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x or "alloc" in x.lower()),
-                    lines[-1])
-        return {"kind": kind, "length": S, "error": f"exit {proc.returncode}: {tail[:200]}"}
+        return {"kind": kind, "length": S, "error": exit_error(proc.returncode, proc.stderr)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def exit_error(returncode: int, stderr: str) -> str:
+    """One line for a failed measuring process: its exit status and the telling stderr line."""
+    lines = stderr.strip().splitlines() or ["?"]
+    tail = next((x for x in reversed(lines) if "invalid" in x.lower() or "Error" in x or "alloc" in x.lower()),
+                lines[-1])
+    return f"exit {returncode}: {tail[:200]}"
 
 
 PROTOCOL = "@@bench "  # prefix of the lines a serving child writes for the parent
@@ -255,7 +261,9 @@ class ServingChild:
         cmd = [sys.executable, __file__, "--serve", kind, "--path", str(path), "--length", str(S),
                "--threads", str(threads), "--mem-cap-gib", str(mem_cap_gib)]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # stderr to a file, not a pipe: a child that warns a lot must not block on a full pipe
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                      text=True, env=env)
         self.expect("ready")
 
@@ -274,10 +282,8 @@ class ServingChild:
             line = self.proc.stdout.readline()
             if not line:
                 self.proc.wait()
-                lines = self.proc.stderr.read().strip().splitlines() or ["?"]
-                tail = next((x for x in reversed(lines)
-                             if "invalid" in x.lower() or "Error" in x or "alloc" in x.lower()), lines[-1])
-                self.error = f"exit {self.proc.returncode}: {tail[:200]}"
+                self.stderr.seek(0)
+                self.error = exit_error(self.proc.returncode, self.stderr.read())
                 break
             if line.startswith(PROTOCOL):
                 body = line[len(PROTOCOL):].strip()

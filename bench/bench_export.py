@@ -377,27 +377,83 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
           f"constants session load {t_load:.1f} s; max |diff| {diff:.1e}")
 
 
+# --- machine peaks ------------------------------------------------------------------------------
+
+def matmul_peaks(threads: int, n: int = 2048, reps: int = 10) -> dict[str, float]:
+    """ONNX Runtime's own MatMul rate on this machine, the yardstick for the GFLOP/s columns:
+    fp32 MatMul and dynamically quantized int8 (what ours-int8's dense layers run), (n x n) by
+    (n x n) with a constant right-hand side, the best of `reps` runs (a peak: a slow spell of the
+    shared machine must not lower it) -> {"fp32": GFLOP/s, "int8": GOP/s}."""
+    import tempfile as tf
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((n, n)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "peak",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [n, n])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [n, n])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.log_severity_level = 3
+    x = rng.standard_normal((n, n)).astype(np.float32)
+    rates = {}
+    with tf.TemporaryDirectory() as tmp:
+        fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(model, str(fp32))
+        quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+        for name, path in (("fp32", fp32), ("int8", int8)):
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            session.run(None, {"x": x})
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                session.run(None, {"x": x})
+                times.append(time.perf_counter() - start)
+            rates[name] = 2 * n ** 3 / min(times) / 1e9
+    return rates
+
+
 # --- report ------------------------------------------------------------------------------------
 
-def write_report(results: list[dict], out_dir: Path, header: str, threads: int) -> None:
+def _percent_of_peak(rate: float, kind: str, peaks: dict[str, float] | None) -> str:
+    if not peaks:
+        return "-"
+    return f"{100 * rate / peaks['int8' if kind == 'ours-int8' else 'fp32']:.0f}%"
+
+
+def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
+                 peaks: dict[str, float] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_export.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "bench_export.json").write_text(json.dumps({"peaks": peaks, "results": results}, indent=1))
     lines = [header, "",
              "wall = median wall-clock latency; cpu = median CPU seconds of the process per run (all threads): on a "
              "shared, oversubscribed machine wall time inflates with other users' load, CPU time much less. "
              "GFLOP/s (wall) = model FLOPs / wall; GFLOP/s (cpu) = model FLOPs / (cpu / threads), the rate while "
              "on the cores.", "",
-             "| length | kind | wall s | cpu s | tokens/s (wall) | peak RSS GiB | act. GiB | GFLOP/s wall | GFLOP/s cpu | runs (wall s) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| length | kind | wall s | cpu s | tokens/s (wall) | peak RSS GiB | act. GiB | GFLOP/s wall | GFLOP/s cpu | "
+             "% of peak | runs (wall s) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    if peaks:
+        lines[1:1] = ["", f"Measured peaks before the run ({threads} threads, ONNX Runtime MatMul 2048^3, constant "
+                      f"right-hand side, best of 10): fp32 {peaks['fp32']:.0f} GFLOP/s, dynamically quantized int8 "
+                      f"{peaks['int8']:.0f} GOP/s. % of peak = GFLOP/s cpu against the fp32 peak "
+                      f"(ours-int8: against the int8 peak, though its attention stays fp32)."]
     for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
         if "error" in r:
-            lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | - | - | {r['error']} |")
+            lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | - | - | - | {r['error']} |")
             continue
         flops = model_flops(r["length"], full=r["kind"] == "full-onnx")
         on_core = r["median_cpu"] / threads
         lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['median_cpu']:.2f} | "
                      f"{r['length'] / r['median']:.0f} | {r['peak_gib']:.2f} | {r['act_gib']:.2f} | "
                      f"{flops / r['median'] / 1e9:.0f} | {flops / on_core / 1e9:.0f} | "
+                     f"{_percent_of_peak(flops / on_core / 1e9, r['kind'], peaks)} | "
                      f"{', '.join(f'{t:.2f}' for t in r['times'])} |")
     (out_dir / "bench_export.md").write_text("\n".join(lines) + "\n")
     try:
@@ -452,6 +508,8 @@ def main() -> int:
     p.add_argument("--interleave", action="store_true",
                    help="at each length, load every kind at once (one process each) and alternate their runs "
                         "round-robin, so that the machine's drifts in speed hit all kinds alike")
+    p.add_argument("--no-peaks", action="store_true",
+                   help="skip measuring ONNX Runtime's fp32/int8 MatMul peaks before the run (the %% of peak column)")
     p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
@@ -480,6 +538,10 @@ def main() -> int:
     header = (f"BigBird-base QA (random init), batch 1, {args.threads} threads, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"`{' '.join(['.venv/bin/python', 'bench/bench_export.py'] + sys.argv[1:])}`")
+    peaks = None
+    if not args.no_peaks:
+        peaks = matmul_peaks(args.threads)
+        log(f"peaks: fp32 MatMul {peaks['fp32']:.0f} GFLOP/s, int8 {peaks['int8']:.0f} GOP/s ({args.threads} threads)")
     for max_position, lengths in plans:
         paths = prepare(args.work, max_position, log)
         if "hf-traced" in kinds and max_position == 4096:
@@ -502,7 +564,7 @@ def main() -> int:
                     results.append(run_child(kind, path, S, 1, args.threads, args.timeout, args.mem_cap_gib))
                 results += run_interleaved([j for j in jobs if j not in traced_elsewhere], S, reps, args.threads,
                                            args.timeout, args.mem_cap_gib, log)
-                write_report(results, args.out, header, args.threads)
+                write_report(results, args.out, header, args.threads, peaks)
                 continue
             for kind, path in jobs:
                 n = 1 if kind == "hf-traced" and S != TRACED_LENGTH else reps
@@ -510,8 +572,8 @@ def main() -> int:
                 r = run_child(kind, path, S, n, args.threads, args.timeout, args.mem_cap_gib)
                 log(f"  -> {r.get('median', r.get('error'))}")
                 results.append(r)
-                write_report(results, args.out, header, args.threads)
-    write_report(results, args.out, header, args.threads)
+                write_report(results, args.out, header, args.threads, peaks)
+    write_report(results, args.out, header, args.threads, peaks)
     log(f"wrote {args.out / 'bench_export.md'}")
     return 0
 

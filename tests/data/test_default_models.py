@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from export import evaluate as E
 
@@ -14,7 +13,6 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 PERSONALITY_FLAGS = "DESCRIPTION\n" + "       ADDR_COMPAT_LAYOUT (since Linux 2.6.9)\n              With this flag set, provide legacy virtual address space layout.\n\n       ADDR_NO_RANDOMIZE (since Linux 2.6.12)\n              With this flag set, disable address-space-layout randomization.\n\n       ADDR_LIMIT_32BIT (since Linux 2.2)\n              Limit the address space to 32 bits.\n\n       ADDR_LIMIT_3GB (since Linux 2.4.0)\n              With this flag set, use 0xc0000000 as the offset at which to search a virtual memory chunk on mmap(2); otherwise use 0xffffe000.\n\n       FDPIC_FUNCPTRS (since Linux 2.6.11)\n              User-space function pointers to signal handlers point (on certain architectures) to descriptors.\n\n       MMAP_PAGE_ZERO (since Linux 2.4.0)\n              Map page 0 as read-only (to support binaries that depend on this SVr4 behavior).\n\n       READ_IMPLIES_EXEC (since Linux 2.6.8)\n              With this flag set, PROT_READ implies PROT_EXEC for mmap(2).\n\n"
 
 
-@pytest.mark.skipif(not (MODELS / "qa" / "manifest.json").is_file(), reason="models/qa not shipped")
 def test_default_qa_model_is_long_sparse_small_and_answers():
     from export.runtime import OnnxModel
 
@@ -43,7 +41,6 @@ def test_default_qa_model_is_long_sparse_small_and_answers():
     assert sum(answers[t] == gold[t] for t in gold) >= 4
 
 
-@pytest.mark.skipif(not (MODELS / "classify" / "manifest.json").is_file(), reason="models/classify not shipped")
 def test_default_classifier_is_long_sparse_small_and_tells_sections_2_and_3_apart():
     import json
 

@@ -64,7 +64,6 @@ def test_shrunk_model_gives_the_kept_logits(shrunk):
 MODEL = Path(__file__).resolve().parents[2] / "models" / "summarize"
 
 
-@pytest.mark.skipif(not (MODEL / "manifest.json").is_file(), reason="models/summarize not shipped")
 def test_shipped_summarizer_is_long_sparse_small_and_writes_text():
     from export.runtime import OnnxModel
 

@@ -8,7 +8,6 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from export.graph import OPSET, save_model
 from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
                              build_pegasus_decoder, build_pegasus_encoder)
 from export.manifest import TASKS, Manifest
+from model.layout import checkpoint_attention_spec
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
@@ -106,14 +106,9 @@ def task_of(config: dict, task: str) -> str:
     return task
 
 
-def attention_dict(config: dict, plan: str, sparse: bool) -> dict:
-    fields = {"pattern": "bigbird" if sparse else "dense", "block_size": int(config["block_size"]),
-              "num_random_blocks": int(config.get("num_random_blocks", 3)), "plan": plan}
-    try:
-        from model.layout import AttentionSpec
-    except ImportError:  # model/layout.py not there yet: the same fields by hand
-        return {"num_global_blocks": 1, "window_blocks": 3, "seed": 0, **fields}
-    return asdict(AttentionSpec(**fields))
+def attention_dict(config: dict, plan: str) -> dict:
+    """The manifest's attention: the spec the PyTorch model builds from the same config."""
+    return checkpoint_attention_spec(config, plan).to_dict()
 
 
 def _versions() -> dict:
@@ -194,7 +189,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
                "decoder_start": config.get("decoder_start_token_id")}
     manifest = Manifest(
         task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
-        graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan, sparse),
+        graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
         num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
         full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
         special_tokens=special, decoder=decoder,

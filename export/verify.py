@@ -59,11 +59,17 @@ class VerifyReport:
 
 
 def verify_lengths(manifest) -> list[int]:
-    """min, full-attention threshold and one past it, non-multiples of block_size, max."""
+    """min, full-attention threshold and one past it, non-multiples of block_size, max, and every
+    padded length where transformers' random-block plan changes (`HF_LEGACY_LENGTHS`) with a
+    length that pads to it."""
+    from model.layout import HF_LEGACY_LENGTHS
+
     m, bs = manifest, manifest.block_size
     fam = min(m.full_attention_max_length, m.max_length)
     candidates = [m.min_length, fam, fam + 1, fam + bs + bs // 2 + 1, (m.min_length + fam) // 2 + 1,
                   m.max_length - bs // 2 - 1, m.max_length]
+    if m.attention.get("pattern") == "bigbird":
+        candidates += [x for n in HF_LEGACY_LENGTHS for x in (n, n - bs // 2 - 1)]
     return sorted({x for x in candidates if m.min_length <= x <= m.max_length})
 
 

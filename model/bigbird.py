@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.attention import LayoutTensors, block_sparse_attention, layout_tensors
-from model.layout import AttentionSpec, build_layout
+from model.layout import AttentionSpec, build_layout, checkpoint_attention_spec
 from model.lengths import plan_length
 
 # ----------------------------------------------------------------------------------------------
@@ -176,19 +176,8 @@ class BigBirdConfig:
 
 
 def attention_spec_for(config: BigBirdConfig, plan: str = "hf-train") -> AttentionSpec:
-    """The layout spec a BigBird config implies: ITC (first and last block global, 3-block
-    window, r random blocks); `original_full` checkpoints attend densely."""
-    if config.attention_type == "original_full":
-        return AttentionSpec(pattern="dense", block_size=config.block_size, plan=plan)
-    return AttentionSpec(
-        pattern="bigbird",
-        block_size=config.block_size,
-        num_random_blocks=config.num_random_blocks,
-        num_global_blocks=1,
-        window_blocks=3,
-        plan=plan,
-        max_position_embeddings=config.max_position_embeddings,
-    )
+    """The layout spec a BigBird config implies (`model.layout.checkpoint_attention_spec`)."""
+    return checkpoint_attention_spec(config.to_dict(), plan)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -133,6 +133,21 @@ class AttentionSpec:
         return cls(**data)
 
 
+def checkpoint_attention_spec(config, plan: str = "hf-train") -> AttentionSpec:
+    """The layout a Hugging Face BigBird or BigBird-Pegasus ``config.json`` implies: ITC (first
+    and last block global, 3-block window, ``num_random_blocks`` random blocks), drawn over the
+    checkpoint's own ``max_position_embeddings`` as transformers does; ``original_full``
+    checkpoints attend densely. ``config`` is the config.json mapping. The one place this is
+    decided: the PyTorch models, the exporter and (through the manifest) the runtime use it."""
+    block_size = int(config["block_size"])
+    if config.get("attention_type", "block_sparse") == "original_full":
+        return AttentionSpec(pattern="dense", block_size=block_size, plan=plan)
+    return AttentionSpec(pattern="bigbird", block_size=block_size,
+                         num_random_blocks=int(config.get("num_random_blocks", 3)), num_global_blocks=1,
+                         window_blocks=3, plan=plan,
+                         max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     key_blocks: np.ndarray  # (H, nb, K) int64

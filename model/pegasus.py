@@ -281,13 +281,12 @@ class BigBirdPegasusConfig:
 
 
 def attention_spec_from_config(cfg: BigBirdPegasusConfig, plan: str = "hf-train"):
-    """The encoder's AttentionSpec: BigBird ITC (first and last block global, 3-block window,
-    r random blocks), as the checkpoints were trained."""
-    from model.layout import AttentionSpec
+    """The encoder's AttentionSpec (`model.layout.checkpoint_attention_spec`: BigBird ITC, as the
+    checkpoints were trained). The spec is block-sparse even for `original_full` configs: the
+    encoder's length plan decides full attention there, and the spec is then unused."""
+    from model.layout import checkpoint_attention_spec
 
-    return AttentionSpec(pattern="bigbird", block_size=cfg.block_size, num_random_blocks=cfg.num_random_blocks,
-                         num_global_blocks=1, window_blocks=3, plan=plan,
-                         max_position_embeddings=cfg.max_position_embeddings)
+    return checkpoint_attention_spec({**cfg.to_dict(), "attention_type": "block_sparse"}, plan)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: i
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from export.runtime import OnnxModel
 
-    from service.windows import classify_windows, qa_windows
+    from export.windows import classify_windows, qa_windows
 
     m = OnnxModel(model_dir, threads=threads)
     tok = m.tokenizer

@@ -10,7 +10,7 @@ The input is the page without its NAME section, as data/build_manpages.py writes
 header, which names the section, is dropped there too). Pages are cut to the first
 --max-length word pieces for training (768 = 12 blocks of 64: block-sparse, above the 704-token
 full-attention threshold); served documents up to 4096 tokens are classified whole, longer ones
-by the mean of their windows' logits (service/windows.py).
+by the mean of their windows' logits (export/windows.py).
 """
 
 from __future__ import annotations

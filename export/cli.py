@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from export.verify import Agreement
+
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("export", help="export a BigBird checkpoint to an ONNX model directory",
@@ -28,7 +30,25 @@ def add_commands(subparsers) -> None:
                    help="reference: our PyTorch model (default) or transformers")
     v.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="comma-separated sequence lengths (default: min, threshold, non-multiples, max)")
-    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
+    v.add_argument("--allow-other-checkpoint", action="store_true",
+                   help="compare with a checkpoint whose weights' sha256 differs from the one the manifest "
+                        "records (default: off, a different checkpoint is an error)")
+    a = Agreement()
+    v.add_argument("--min-span-agreement", type=float, default=a.span, metavar="FRACTION",
+                   help=f"int8 QA: best span identical to the fp32 reference in at least this fraction of rows "
+                        f"(default: {a.span})")
+    v.add_argument("--min-top3-agreement", type=float, default=a.span_in_top, metavar="FRACTION",
+                   help=f"int8 QA: the reference's best span among the int8 top 3 in at least this fraction "
+                        f"(default: {a.span_in_top})")
+    v.add_argument("--min-label-agreement", type=float, default=a.label, metavar="FRACTION",
+                   help=f"int8 classify/MLM: label (argmax token) identical in at least this fraction "
+                        f"(default: {a.label})")
+    v.add_argument("--min-token-agreement", type=float, default=a.tokens, metavar="FRACTION",
+                   help=f"int8 summarize: the first --token-prefix greedy tokens identical in at least this "
+                        f"fraction of rows (default: {a.tokens})")
+    v.add_argument("--token-prefix", type=int, default=a.tokens_prefix, metavar="N",
+                   help=f"int8 summarize: how many leading greedy tokens must agree (default: {a.tokens_prefix})")
     v.set_defaults(func=_verify)
 
 
@@ -50,9 +70,19 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from export.verify import verify_model
+    import sys
 
-    report = verify_model(args.output_dir, args.checkpoint, against=args.against, lengths=args.lengths,
-                          threads=args.threads, progress=lambda msg: print(msg, flush=True))
+    from export.verify import VerifyError, verify_model
+
+    agreement = Agreement(span=args.min_span_agreement, span_in_top=args.min_top3_agreement,
+                          label=args.min_label_agreement, tokens=args.min_token_agreement,
+                          tokens_prefix=args.token_prefix)
+    try:
+        report = verify_model(args.output_dir, args.checkpoint, against=args.against, lengths=args.lengths,
+                              threads=args.threads, progress=lambda msg: print(msg, flush=True),
+                              agreement=agreement, allow_other_checkpoint=args.allow_other_checkpoint)
+    except VerifyError as exc:
+        print(f"verify: error: {exc}", file=sys.stderr)
+        return 2
     print(report.summary())
     return 0 if report.ok else 1

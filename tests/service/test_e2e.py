@@ -19,7 +19,7 @@ import pytest
 
 from service.settings import Settings
 from tests.service.conftest import ThreadServer, free_port
-from service.windows import best_spans, pool_logits, qa_windows
+from export.windows import best_spans, pool_logits, qa_windows
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
          "find food for the children of the city").split()

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.windows import best_spans, classify_windows, pool_logits, qa_windows, window_spans
+from export.windows import best_spans, classify_windows, pool_logits, qa_windows, window_spans
 from service.workers import fake_tokenizer
 
 

@@ -1,0 +1,107 @@
+"""`verify` can fail (issue 11, defect 2): the wrong checkpoint is an error, an int8 or fp16
+export is judged by task-level agreement with the fp32 reference, and a checkpoint of another
+architecture or shape gets a clear message instead of an error from inside a graph."""
+
+import subprocess
+import sys
+
+import pytest
+
+from export.exporter import export_model
+from export.verify import Agreement, VerifyError, verify_model
+from tests.tiny_models import make_tiny_checkpoint
+
+
+def quiet(_msg):
+    pass
+
+
+# QA's best span over hundreds of candidates ties easily in a random model; at BERT's own
+# initializer range (0.02) and hidden 128 (the issue's reproduction) int8 keeps it in >= 15/16 rows
+# for every seed tried (0, 1, 2), while the tiny default shape (hidden 32, range 0.25) keeps 11/16.
+# The summarizer's first greedy token likewise: init_std 0.1 instead of the tiny default 0.25.
+SHAPES = {"qa": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, initializer_range=0.02),
+          "summarize": dict(init_std=0.1)}
+
+
+@pytest.fixture(scope="module")
+def int8_exports(tmp_path_factory):
+    """task -> (int8 model dir, its checkpoint, another checkpoint of the same shape)."""
+    out = {}
+    for task in ("qa", "classify", "summarize"):
+        root = tmp_path_factory.mktemp(f"int8-{task}")
+        shape = SHAPES.get(task, {})
+        ckpt = make_tiny_checkpoint(root / "ckpt", task, seed=0, **shape)
+        other = make_tiny_checkpoint(root / "other", task, seed=1, **shape)
+        export_model(ckpt, root / "model", task, dtype="int8", progress=quiet)
+        out[task] = (root / "model", ckpt, other)
+    return out
+
+
+LENGTHS = {task: [16, 145, 300, 512] for task in ("qa", "classify", "summarize")}
+
+
+@pytest.mark.parametrize("task", ["qa", "classify", "summarize"])
+def test_int8_passes_against_its_own_checkpoint(int8_exports, task):
+    model_dir, ckpt, _ = int8_exports[task]
+    report = verify_model(model_dir, ckpt, progress=quiet, threads=1, lengths=LENGTHS[task])
+    assert report.ok, report.summary()
+    assert any(c.graph == "agreement" for c in report.checks)
+
+
+@pytest.mark.parametrize("task", ["qa", "classify", "summarize"])
+def test_int8_fails_against_another_checkpoint(int8_exports, task):
+    """Today: "best CHANGED", max diff 1.1, "PASS (28/28)"."""
+    model_dir, _, other = int8_exports[task]
+    report = verify_model(model_dir, other, progress=quiet, threads=1, lengths=LENGTHS[task],
+                          allow_other_checkpoint=True)
+    assert not report.ok, report.summary()
+    assert any(c.graph == "agreement" and not c.ok for c in report.checks), report.summary()
+
+
+def test_agreement_thresholds_are_overridable(int8_exports):
+    model_dir, _, other = int8_exports["classify"]
+    lax = Agreement(label=0.0)
+    report = verify_model(model_dir, other, progress=quiet, threads=1, lengths=[16, 300], agreement=lax,
+                          allow_other_checkpoint=True)
+    assert report.ok, report.summary()
+
+
+def test_another_checkpoint_is_an_error(int8_exports):
+    model_dir, _, other = int8_exports["qa"]
+    with pytest.raises(VerifyError, match="not the checkpoint this model was exported from.*--allow-other-checkpoint"):
+        verify_model(model_dir, other, progress=quiet, threads=1, lengths=[16])
+
+
+def test_cli_exits_2_with_one_clear_line_for_another_checkpoint(int8_exports):
+    model_dir, _, other = int8_exports["qa"]
+    out = subprocess.run([sys.executable, "-m", "longdoc", "verify", str(model_dir), "--checkpoint", str(other),
+                          "--lengths", "16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "sha256" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_exits_1_when_int8_disagrees(int8_exports):
+    model_dir, _, other = int8_exports["classify"]
+    out = subprocess.run([sys.executable, "-m", "longdoc", "verify", str(model_dir), "--checkpoint", str(other),
+                          "--lengths", "16,300", "--allow-other-checkpoint"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL" in out.stdout and "label identical" in out.stdout
+
+
+def test_checkpoint_of_another_architecture_is_a_clear_error(int8_exports, tmp_path):
+    model_dir, _, _ = int8_exports["qa"]
+    classify = make_tiny_checkpoint(tmp_path / "cls", "classify")
+    with pytest.raises(VerifyError, match="BigBirdForSequenceClassification is a .classify. model, not .qa."):
+        verify_model(model_dir, classify, progress=quiet, threads=1, lengths=[16], allow_other_checkpoint=True)
+    pegasus = make_tiny_checkpoint(tmp_path / "sum", "summarize")
+    with pytest.raises(VerifyError, match="cannot be compared"):
+        verify_model(model_dir, pegasus, progress=quiet, threads=1, lengths=[16], allow_other_checkpoint=True)
+
+
+def test_checkpoint_of_another_shape_is_a_clear_error(int8_exports, tmp_path):
+    model_dir, _, _ = int8_exports["qa"]
+    wide = make_tiny_checkpoint(tmp_path / "wide", "qa", hidden_size=64, intermediate_size=128)
+    with pytest.raises(VerifyError, match="hidden_size 64 \\(export: 128\\)"):
+        verify_model(model_dir, wide, progress=quiet, threads=1, lengths=[16], allow_other_checkpoint=True)

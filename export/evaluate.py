@@ -137,57 +137,31 @@ def lead_description(document: str) -> str:
 # ----------------------------------------------------------------------------- QA decoding
 
 
-@dataclass(frozen=True)
-class QaInput:
-    input_ids: list[int]
-    token_type_ids: list[int]
-    context_offsets: list[tuple[int, int]]  # char span of each context token in the window
-    context_start: int                      # index of the first context token in input_ids
-
-
-def special_ids(model) -> dict[str, int]:
-    """The manifest's special token ids, with [CLS]/[SEP] looked up in the tokenizer where the
-    checkpoint's config did not name them (BERT configs carry no cls_token_id)."""
-    special = dict(model.manifest.special_tokens)
-    for name, token in (("cls", "[CLS]"), ("sep", "[SEP]")):
-        if special.get(name) is None:
-            special[name] = model.tokenizer.token_to_id(token)
-    return special
-
-
-def qa_input(tokenizer, special: dict, question: str, context: str, max_length: int,
-             max_question_tokens: int = 64) -> QaInput:
-    """[CLS] question [SEP] context [SEP], the context cut to the first tokens that fit."""
-    q = tokenizer.encode(question, add_special_tokens=False).ids[:max_question_tokens]
-    c = tokenizer.encode(context, add_special_tokens=False)
-    room = max_length - len(q) - 3
-    ids, offsets = c.ids[:room], [tuple(o) for o in c.offsets[:room]]
-    input_ids = [special["cls"], *q, special["sep"], *ids, special["sep"]]
-    token_types = [0] * (len(q) + 2) + [1] * (len(ids) + 1)
-    return QaInput(input_ids, token_types, offsets, len(q) + 2)
-
-
-def best_span(start_logits: np.ndarray, end_logits: np.ndarray, first: int, count: int,
-              max_answer_tokens: int) -> tuple[int, int]:
-    """argmax of start + end over first <= s <= e < first + count, e - s < max_answer_tokens.
-    Returns (s, e) relative to `first`."""
-    s_log = np.asarray(start_logits[first : first + count], dtype=np.float64)
-    e_log = np.asarray(end_logits[first : first + count], dtype=np.float64)
-    scores = s_log[:, None] + e_log[None, :]  # (count, count)
-    i = np.arange(count)
-    allowed = (i[None, :] >= i[:, None]) & (i[None, :] - i[:, None] < max_answer_tokens)
-    scores = np.where(allowed, scores, -np.inf)
-    s, e = np.unravel_index(int(np.argmax(scores)), scores.shape)
-    return int(s), int(e)
-
-
-def answer_token_end(tokenizer, question: str, context: str, start: int, end: int,
-                     max_question_tokens: int = 64) -> int:
-    """Index in `[CLS] question [SEP] context [SEP]` of the last token of context[start:end]."""
-    q = len(tokenizer.encode(question, add_special_tokens=False).ids[:max_question_tokens])
+def answer_token_index(tokenizer, context: str, start: int, end: int) -> int:
+    """Index among the context's tokens of the last token of context[start:end]."""
     offsets = tokenizer.encode(context, add_special_tokens=False).offsets
-    last = max((i for i, (a, b) in enumerate(offsets) if a < end and b > start), default=len(offsets))
-    return q + 2 + last
+    return max((i for i, (a, b) in enumerate(offsets) if a < end and b > start), default=len(offsets))
+
+
+def qa_spans(model, question: str, context: str, max_length: int, max_answer_tokens: int,
+             stride: int | None = None, top_k: int = 1, first_window_only: bool = False):
+    """(the top_k answer spans, the windows read) as the service finds them (`export.windows`:
+    the same windows of `[CLS] question [SEP] doc[a:b] [SEP]` and the same span search), one
+    window at a time through ONNX Runtime."""
+    from export.windows import best_spans, qa_windows
+
+    sp = model.manifest.special_tokens
+    q = model.tokenizer.encode(question, add_special_tokens=False).ids
+    doc = model.tokenizer.encode(context, add_special_tokens=False)
+    windows = qa_windows(q, doc.ids, max_length, stride, sp["cls"], sp["sep"])
+    windows = windows[:1] if first_window_only else windows
+    starts, ends = [], []
+    for w in windows:
+        out = model.run_encoder(np.array([w.input_ids]), np.ones((1, len(w.input_ids)), np.int64),
+                                np.array([w.token_type_ids]))
+        starts.append(out["start_logits"][0])
+        ends.append(out["end_logits"][0])
+    return best_spans(windows, starts, ends, doc.offsets, top_k, max_answer_tokens), len(windows)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -234,25 +208,28 @@ def _mean_rows(system: str, subsets: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progress=None) -> tuple[list[dict], list[dict]]:
-    """(report rows, per-record predictions) for the full-length model and its 512 restriction."""
-    tok, special = model.tokenizer, special_ids(model)
-    lengths = {"model": model.manifest.max_length, f"first-{BASELINE_QA_LENGTH}": min(BASELINE_QA_LENGTH, model.manifest.max_length)}
-    scores = {name: {"all": [], "beyond-512": [], "within-512": []} for name in lengths}
+def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progress=None,
+                stride: int | None = None) -> tuple[list[dict], list[dict]]:
+    """(report rows, per-record predictions) for three systems, all through the service's windows
+    and span search (`qa_spans`): "model", every window of the page (what the service answers);
+    "first-window", only the first max_length-token window; "first-512", only the first 512-token
+    window. Subsets: answers whose last token lies beyond the 512-token window's document part."""
+    tok, max_length = model.tokenizer, model.manifest.max_length
+    systems = {"model": (max_length, False), "first-window": (max_length, True),
+               f"first-{BASELINE_QA_LENGTH}": (min(BASELINE_QA_LENGTH, max_length), True)}
+    scores = {name: {"all": [], "beyond-512": [], "within-512": []} for name in systems}
     predictions = []
     for n, r in enumerate(records):
         golds = [a["text"] for a in r["answers"]]
         a = r["answers"][0]
-        end_tok = answer_token_end(tok, r["question"], r["context"], a["start"], a["start"] + len(a["text"]))
-        subset = "beyond-512" if end_tok >= BASELINE_QA_LENGTH else "within-512"
-        pred_row = {"id": r.get("id", n), "answer_token_end": end_tok}
-        for name, max_length in lengths.items():
-            x = qa_input(tok, special, r["question"], r["context"], max_length)
-            out = model.run_encoder(np.array([x.input_ids]), np.ones((1, len(x.input_ids)), np.int64),
-                                    np.array([x.token_type_ids]))
-            s, e = best_span(out["start_logits"][0], out["end_logits"][0], x.context_start,
-                             len(x.context_offsets), max_answer_tokens)
-            text = r["context"][x.context_offsets[s][0] : x.context_offsets[e][1]]
+        last = answer_token_index(tok, r["context"], a["start"], a["start"] + len(a["text"]))
+        q_len = len(tok.encode(r["question"], add_special_tokens=False).ids)
+        subset = "beyond-512" if q_len + 2 + last >= BASELINE_QA_LENGTH else "within-512"
+        pred_row = {"id": r.get("id", n), "answer_token": last}
+        for name, (length, first_only) in systems.items():
+            spans, _ = qa_spans(model, r["question"], r["context"], length, max_answer_tokens, stride,
+                                first_window_only=first_only)
+            text = r["context"][spans[0].start : spans[0].end] if spans else ""
             m = {"exact_match": best_over_golds(exact_match, text, golds), "f1": best_over_golds(f1_score, text, golds)}
             scores[name]["all"].append(m)
             scores[name][subset].append(m)
@@ -261,7 +238,7 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
         if progress:
             progress(n + 1, len(records))
     rows = []
-    for name in lengths:
+    for name in systems:
         rows += _mean_rows(name, scores[name])
     return rows, predictions
 
@@ -302,7 +279,7 @@ def evaluate_classify(model, records: list[dict], progress=None) -> tuple[list[d
     items, base, predictions = [], [], []
     for n, r in enumerate(records):
         if model is not None:
-            tok, special = model.tokenizer, special_ids(model)
+            tok, special = model.tokenizer, model.manifest.special_tokens
             ids = tok.encode(r["text"], add_special_tokens=False).ids[: model.manifest.max_length - 2]
             ids = [special["cls"], *ids, special["sep"]]
             logits = model.run_encoder(np.array([ids]), np.ones((1, len(ids)), np.int64))["logits"][0]

@@ -17,6 +17,7 @@ from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weigh
                              build_pegasus_decoder, build_pegasus_encoder)
 from export.manifest import TASKS, Manifest
 from model.layout import checkpoint_attention_spec
+from model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
@@ -183,10 +184,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
         labels = [id2label[str(i)] for i in range(len(id2label))]
     max_length = (int(config["max_position_embeddings"]) // bs) * bs
-    special = {"pad": config.get("pad_token_id"), "cls": config.get("cls_token_id"),
-               "sep": config.get("sep_token_id"), "mask": _mask_token(tokenizer),
-               "bos": config.get("bos_token_id"), "eos": config.get("eos_token_id"),
-               "decoder_start": config.get("decoder_start_token_id")}
+    special = special_token_ids(checkpoint_dir)
     manifest = Manifest(
         task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
         graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
@@ -212,17 +210,6 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
 def _default_arch(task: str) -> str:
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
             "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
-
-
-def _mask_token(tokenizer: Path) -> int | None:
-    try:
-        vocab = json.loads(tokenizer.read_text()).get("added_tokens", [])
-    except (OSError, json.JSONDecodeError):
-        return None
-    for token in vocab:
-        if token.get("content") in ("[MASK]", "<mask>", "<mask_1>"):
-            return int(token["id"])
-    return None
 
 
 def quantize_int8(model, path: Path) -> None:

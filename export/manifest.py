@@ -24,6 +24,15 @@ TASK_OUTPUTS = {
 }
 
 
+# the special-token ids each task's runtime uses (the windows' [CLS]/[SEP], padding, decoding)
+REQUIRED_SPECIAL_TOKENS = {"qa": ("pad", "cls", "sep"), "classify": ("pad", "cls", "sep"), "mlm": ("pad",),
+                           "summarize": ("pad", "eos", "decoder_start")}
+# the outputs with one row per token, (B, S, ...), per task: the runtime strips padding from them and
+# the batcher cuts them to each sequence's own length (the others are (B, ...) per sequence)
+PER_TOKEN_OUTPUTS = {"qa": frozenset({"start_logits", "end_logits"}), "classify": frozenset(),
+                     "mlm": frozenset({"logits"}), "summarize": frozenset({"last_hidden_state"})}
+
+
 class ManifestError(ValueError):
     """A manifest.json that is missing, malformed or inconsistent."""
 
@@ -57,6 +66,10 @@ class Manifest:
     @property
     def outputs(self) -> tuple[str, ...]:
         return TASK_OUTPUTS[self.task]
+
+    @property
+    def per_token_outputs(self) -> frozenset[str]:
+        return PER_TOKEN_OUTPUTS[self.task]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,4 +140,9 @@ def validate(m: Manifest) -> list[str]:
         problems.append("labels must be a list of strings or null")
     if m.task == "classify" and not m.labels:
         problems.append("task 'classify' needs labels")
+    needed = REQUIRED_SPECIAL_TOKENS.get(m.task, ())
+    missing = [name for name in needed if not isinstance((m.special_tokens or {}).get(name), int)]
+    if missing:
+        problems.append(f"special_tokens has no {', '.join(missing)} id (exports before longdoc 0.2 left them to "
+                        "the service; export the checkpoint again)")
     return problems

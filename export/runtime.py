@@ -157,7 +157,7 @@ class OnnxModel:
         outs = session.run(names, feed)
         result = {}
         for name, value in zip(names, outs):
-            result[name] = value if name == "logits" and self.manifest.task == "classify" else value[:, :S]
+            result[name] = value[:, :S] if name in self.manifest.per_token_outputs else value
         return result
 
     # --- summarize -----------------------------------------------------------------------

@@ -124,24 +124,6 @@ class SpecialTokens:
             raise DataError(f"the tokenizer/config defines no {', '.join(missing)} token id")
 
 
-def _first_token(tokenizer, candidates: Sequence[str]) -> int | None:
-    for token in candidates:
-        idx = tokenizer.token_to_id(token)
-        if idx is not None:
-            return idx
-    return None
-
-
-# candidates by text when neither the tokenizer files nor the config name a token
-_GUESSES = {
-    "cls": ("[CLS]", "<s>"),
-    "sep": ("[SEP]", "</s>"),
-    "pad": ("[PAD]", "<pad>"),
-    "mask": ("[MASK]", "<mask>", "<mask_1>", "<mask_2>"),
-    "eos": ("</s>", "[SEP]"),
-}
-
-
 def special_tokens_from(tokenizer, config: dict, directory=None) -> SpecialTokens:
     """The special ids training uses, resolved as the serving path resolves them
     (`model.tokenization.special_token_ids`: the tokenizer files' token texts first, then the
@@ -151,18 +133,7 @@ def special_tokens_from(tokenizer, config: dict, directory=None) -> SpecialToken
     model resolves the same ids."""
     from model.tokenization import special_token_ids
 
-    ids = dict(special_token_ids(directory, tokenizer)) if directory is not None else {}
-
-    def conf(key):
-        value = config.get(key)
-        value = value[0] if isinstance(value, list) and value else value
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    for name in ("pad", "cls", "sep", "mask", "eos", "decoder_start"):
-        if ids.get(name) is None:
-            ids[name] = conf(f"{name}_token_id")
-        if ids.get(name) is None and name in _GUESSES:
-            ids[name] = _first_token(tokenizer, _GUESSES[name])
+    ids = special_token_ids(directory, tokenizer, config=config)
     return SpecialTokens(
         pad=ids["pad"] if ids["pad"] is not None else 0,
         cls=ids["cls"],

@@ -2,11 +2,12 @@
 
     load_tokenizer(directory)     -> tokenizers.Tokenizer from tokenizer.json
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
+                                     (the one table of special tokens: the exporter writes it into the manifest)
 
 Special tokens are looked up by their text (from `special_tokens_map.json`, then
 `tokenizer_config.json`) in the tokenizer's vocabulary, which is what the tokenizer really
-emits; ids in `config.json` (`pad_token_id`, ...) fill what the tokenizer files do not name.
-`decoder_start` comes from `config.json` only (encoder-decoders; Pegasus starts with pad).
+emits; ids in `config.json` (`pad_token_id`, ...) fill what the tokenizer files do not name, then
+the vocabulary's conventional texts. `decoder_start` comes from `config.json`, else pad.
 """
 
 from __future__ import annotations
@@ -58,20 +59,49 @@ def _token_text(value) -> str | None:
     return None
 
 
-def special_token_ids(directory, tokenizer=None) -> dict[str, int | None]:
-    """Ids of the special tokens: pad, cls, sep, mask, bos, eos, decoder_start (None = not defined)."""
-    d = Path(directory)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(d)
-    config = _read_json(d / "config.json")
-    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")}
+# candidates by text when neither the tokenizer files nor the config name a token
+VOCABULARY_GUESSES = {
+    "cls": ("[CLS]", "<s>"),
+    "sep": ("[SEP]", "</s>"),
+    "pad": ("[PAD]", "<pad>"),
+    "mask": ("[MASK]", "<mask>", "<mask_1>", "<mask_2>"),
+    "eos": ("</s>", "[SEP]"),
+}
+
+
+def _config_id(config: dict, key: str) -> int | None:
+    value = config.get(key)
+    value = value[0] if isinstance(value, list) and value else value  # eos_token_id may be a list
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def special_token_ids(directory=None, tokenizer=None, config: dict | None = None) -> dict[str, int | None]:
+    """The one table of special-token ids: pad, cls, sep, mask, bos, eos, decoder_start (None =
+    not defined). Resolved in this order: the token texts the tokenizer files name
+    (special_tokens_map.json over tokenizer_config.json, looked up in the vocabulary), the
+    config's `*_token_id` (`config`, else the directory's config.json), then the vocabulary's
+    conventional texts (`VOCABULARY_GUESSES`: BERT configs name no [CLS]). `decoder_start` comes
+    from the config, else pad (Pegasus starts decoding with pad). The exporter writes this table
+    into the manifest; nothing downstream patches it."""
+    d = Path(directory) if directory is not None else None
+    if tokenizer is None:
+        if d is None:
+            raise ValueError("special_token_ids needs a directory or a tokenizer")
+        tokenizer = load_tokenizer(d)
+    if config is None:
+        config = _read_json(d / "config.json") if d is not None else {}
+    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")} if d else {}
     ids: dict[str, int | None] = {}
     for name in SPECIAL_TOKENS:
         text = _token_text(texts.get(f"{name}_token"))
         token_id = tokenizer.token_to_id(text) if text is not None else None
         if token_id is None:
-            value = config.get(f"{name}_token_id")
-            token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
+            token_id = _config_id(config, f"{name}_token_id")
+        for guess in VOCABULARY_GUESSES.get(name, ()) if token_id is None else ():
+            token_id = tokenizer.token_to_id(guess)
+            if token_id is not None:
+                break
         ids[name] = token_id
-    start = config.get("decoder_start_token_id")
-    ids["decoder_start"] = start if isinstance(start, int) and not isinstance(start, bool) else None
+    start = _config_id(config, "decoder_start_token_id")
+    ids["decoder_start"] = start if start is not None else ids["pad"]
     return ids

@@ -25,13 +25,13 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
+from export.manifest import PER_TOKEN_OUTPUTS
 from service.batching import BatchingPolicy, Entry
 from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
 from service.metrics import Metrics
 from service.workers import EncoderBatch, GenerateParams, GenerationStopped, Worker
 
 log = logging.getLogger("longdoc.service")
-PER_TOKEN_OUTPUTS = {"start_logits", "end_logits", "last_hidden_state"}  # (B, S, ...): cut to each length
 
 
 class RequestState:
@@ -246,7 +246,8 @@ class EncoderBatcher:
             s.finished = finished
             if not s.future.done():
                 n = len(s.input_ids)
-                s.future.set_result({k: v[i, :n] if k in PER_TOKEN_OUTPUTS else v[i] for k, v in out.items()})
+                per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
+                s.future.set_result({k: v[i, :n] if k in per_token else v[i] for k, v in out.items()})
         self._idle.put_nowait(slot)
         self._wake.set()
 

@@ -84,23 +84,14 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
     max_new = 256
     if m.decoder:
         max_new = int(m.decoder.get("max_positions", 256)) - 1
-    special = dict(m.special_tokens)
     tok = model.tokenizer
-    # the manifest copies ids from config.json, which for BigBird names no [CLS]: ask the tokenizer
-    for key, names in (("cls", ("[CLS]", "<s>")), ("sep", ("[SEP]", "</s>")), ("pad", ("[PAD]", "<pad>")),
-                       ("eos", ("</s>", "[SEP]"))):
-        for token in names:
-            if special.get(key) is None and tok.token_to_id(token) is not None:
-                special[key] = tok.token_to_id(token)
-    if special.get("decoder_start") is None:
-        special["decoder_start"] = special.get("pad") or 0
     return ModelInfo(
         name=name,
         task=m.task,
         max_length=m.max_length,
         block_size=m.block_size,
         tokenizer=tok,
-        special_tokens=special,
+        special_tokens=dict(m.special_tokens),
         labels=tuple(m.labels) if m.labels else None,
         plan=str(m.attention.get("plan", "")),
         attention=dict(m.attention),

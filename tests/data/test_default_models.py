@@ -28,11 +28,8 @@ def test_default_qa_model_is_long_sparse_small_and_answers():
     assert len(gold) == 7
     answers = {}
     for term in gold:
-        x = E.qa_input(model.tokenizer, E.special_ids(model), f"What does {term} do?", PERSONALITY_FLAGS, 4096)
-        out = model.run_encoder(np.array([x.input_ids]), np.ones((1, len(x.input_ids)), np.int64),
-                                np.array([x.token_type_ids]))
-        s, e = E.best_span(out["start_logits"][0], out["end_logits"][0], x.context_start, len(x.context_offsets), 64)
-        answers[term] = PERSONALITY_FLAGS[x.context_offsets[s][0] : x.context_offsets[e][1]]
+        spans, _ = E.qa_spans(model, f"What does {term} do?", PERSONALITY_FLAGS, 4096, 64)
+        answers[term] = PERSONALITY_FLAGS[spans[0].start : spans[0].end]
     # a small model (docs/models.md): it answers from the descriptions (never a tag line),
     # depends on the question, and gets 4 of these 7 exactly right as shipped (the other 3 are
     # parts of description sentences)
@@ -54,7 +51,7 @@ def test_default_classifier_is_long_sparse_small_and_tells_sections_2_and_3_apar
     for name in ("LICENSE", "MODEL_CARD.md", "tokenizer.json", "TRAINING-DATA-COPYRIGHT"):
         assert (MODELS / "classify" / name).is_file()
     pages = json.loads((Path(__file__).parent / "heldout_pages.json").read_text())
-    special = E.special_ids(model)
+    special = m.special_tokens
 
     def ranking(text: str) -> list[str]:
         ids = [special["cls"], *model.tokenizer.encode(text, add_special_tokens=False).ids, special["sep"]]

@@ -241,3 +241,29 @@ def test_loading_returns_freed_heap_to_the_os(tiny_qa_dir, monkeypatch):
     OnnxModel(tiny_qa_dir, threads=1)
     assert calls == [1]
     real()  # runs anywhere (a no-op off glibc Linux)
+
+
+# --- one table of special tokens (model.tokenization.special_token_ids) ------------------------
+
+def test_manifest_special_tokens_are_complete(tiny_qa_dir, tiny_summarize_dir):
+    """BERT-style configs name no [CLS]: the exporter asks the tokenizer, so the manifest is the
+    whole truth and the service, eval and verify read it as is (no patch-ups downstream)."""
+    from export.manifest import Manifest
+    from tests.tiny_models import CLS, EOS, MASK, PAD
+
+    qa = Manifest.load(tiny_qa_dir).special_tokens
+    assert (qa["cls"], qa["sep"], qa["pad"], qa["mask"]) == (CLS, SEP, PAD, MASK)
+    summarize = Manifest.load(tiny_summarize_dir).special_tokens
+    assert summarize["eos"] == EOS and summarize["decoder_start"] is not None
+
+
+def test_tokenizer_files_name_the_special_tokens(tmp_path):
+    """special_tokens_map.json wins over config ids (what the tokenizer really emits)."""
+    import json
+
+    from tests.tiny_models import CLS
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qa")
+    (ckpt / "special_tokens_map.json").write_text(json.dumps({"sep_token": "[CLS]"}))
+    manifest = export_model(ckpt, tmp_path / "model", "qa", progress=quiet)
+    assert manifest.special_tokens["sep"] == CLS

@@ -6,11 +6,12 @@ from export.manifest import Manifest, ManifestError
 
 BASE = dict(task="qa", architecture="BigBirdForQuestionAnswering", dtype="fp32", graphs={"encoder": "encoder.onnx"},
             attention={"pattern": "bigbird", "block_size": 16}, num_layers=2, num_heads=2, hidden_size=32,
-            block_size=16, min_length=16, max_length=512, full_attention_max_length=144)
+            block_size=16, min_length=16, max_length=512, full_attention_max_length=144,
+            special_tokens={"pad": 0, "cls": 4, "sep": 5})
 
 
 def test_round_trip(tmp_path):
-    m = Manifest(**BASE, special_tokens={"pad": 0, "sep": 5})
+    m = Manifest(**{**BASE, "special_tokens": {"pad": 0, "cls": 4, "sep": 5, "mask": None}})
     m.save(tmp_path)
     assert Manifest.load(tmp_path) == m
     assert json.loads((tmp_path / "manifest.json").read_text())["format_version"] == 1
@@ -25,6 +26,7 @@ def test_round_trip(tmp_path):
     ({"task": "summarize"}, "needs a 'decoder' graph"),
     ({"task": "classify"}, "needs labels"),
     ({"graphs": {}}, "'encoder'"),
+    ({"special_tokens": {"pad": 0, "sep": 5}}, "special_tokens has no cls id .*export the checkpoint again"),
 ])
 def test_invalid_manifests_say_why(change, message):
     with pytest.raises(ManifestError, match=message):

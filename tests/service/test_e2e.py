@@ -19,7 +19,8 @@ import pytest
 
 from service.settings import Settings
 from tests.service.conftest import ThreadServer, free_port
-from export.windows import best_spans, pool_logits, qa_windows
+from export.evaluate import qa_spans
+from export.windows import pool_logits
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
          "find food for the children of the city").split()
@@ -46,10 +47,6 @@ def offline(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
             "sum": OnnxModel(tiny_summarize_dir, threads=1)}
 
 
-def special(model, key, token):
-    return model.manifest.special_tokens.get(key) or model.tokenizer.token_to_id(token)
-
-
 def test_ready_and_models(server):
     r = httpx.get(server.url + "/readyz")
     assert r.status_code == 200
@@ -63,25 +60,16 @@ def test_qa_across_window_boundaries_matches_offline(server, offline):
     docs = [text_of(1300, seed=1), text_of(200, seed=2)]  # several windows (block-sparse) + one short
     r = httpx.post(server.url + "/v1/qa", json={"question": question, "documents": docs, "top_k": 3}, timeout=60)
     assert r.status_code == 200, r.text
-    m = offline["qa"]
-    q = m.tokenizer.encode(question, add_special_tokens=False).ids
     for doc, result in zip(docs, r.json()["results"]):
-        enc = m.tokenizer.encode(doc, add_special_tokens=False)
-        windows = qa_windows(q, enc.ids, 512, 100, special(m, "cls", "[CLS]"), special(m, "sep", "[SEP]"))
-        starts, ends = [], []
-        for w in windows:  # one window at a time, no batch padding
-            out = m.run_encoder(np.array([w.input_ids]), np.ones((1, len(w.input_ids)), np.int64),
-                                np.array([w.token_type_ids]))
-            starts.append(out["start_logits"][0])
-            ends.append(out["end_logits"][0])
-        expected = best_spans(windows, starts, ends, enc.offsets, top_k=3, max_answer_tokens=30)
+        # `longdoc eval`'s QA path (export.evaluate.qa_spans) must answer what the service answers
+        expected, n_windows = qa_spans(offline["qa"], question, doc, 512, 30, stride=100, top_k=3)
         got = result["answers"]
-        assert result["usage"]["windows"] == len(windows)
+        assert result["usage"]["windows"] == n_windows
         assert [(a["start"], a["end"]) for a in got] == [(s.start, s.end) for s in expected]
         assert np.allclose([a["score"] for a in got], [s.score for s in expected], atol=1e-4)
         for a in got:
             assert doc[a["start"] : a["end"]] == a["text"]
-    assert len(windows) == 1 and r.json()["results"][0]["usage"]["windows"] > 3
+    assert n_windows == 1 and r.json()["results"][0]["usage"]["windows"] > 3
 
 
 def test_classification_matches_offline_mean_pooling(server, offline):
@@ -90,7 +78,7 @@ def test_classification_matches_offline_mean_pooling(server, offline):
     assert r.status_code == 200, r.text
     m = offline["cls"]
     ids = m.tokenizer.encode(doc, add_special_tokens=False).ids
-    cls, sep = special(m, "cls", "[CLS]"), special(m, "sep", "[SEP]")
+    cls, sep = m.manifest.special_tokens["cls"], m.manifest.special_tokens["sep"]
     logits = [m.run_encoder(np.array([[cls, *ids[a : a + 510], sep]]))["logits"][0] for a in range(0, len(ids), 510)]
     probs = pool_logits(logits)
     got = {x["label"]: x["score"] for x in r.json()["results"][0]["labels"]}
@@ -99,9 +87,9 @@ def test_classification_matches_offline_mean_pooling(server, offline):
 
 
 def greedy_offline(model, doc: str, max_new: int) -> list[int]:
-    ids = model.tokenizer.encode(doc, add_special_tokens=False).ids[:511] + [special(model, "eos", "</s>")]
+    ids = model.tokenizer.encode(doc, add_special_tokens=False).ids[:511] + [model.manifest.special_tokens["eos"]]
     out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=max_new)[0][1:]
-    eos = special(model, "eos", "</s>")
+    eos = model.manifest.special_tokens["eos"]
     return list(out[: out.index(eos)] if eos in out else out)
 
 
@@ -152,9 +140,9 @@ def test_summarize_beam_search(server, offline):
                    timeout=60)
     assert r.status_code == 200, r.text
     m = offline["sum"]
-    ids = m.tokenizer.encode(doc, add_special_tokens=False).ids + [special(m, "eos", "</s>")]
+    ids = m.tokenizer.encode(doc, add_special_tokens=False).ids + [m.manifest.special_tokens["eos"]]
     out = m.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=12, num_beams=3)[0][1:]
-    eos = special(m, "eos", "</s>")
+    eos = m.manifest.special_tokens["eos"]
     out = out[: out.index(eos)] if eos in out else out
     assert r.json()["results"][0]["generated_tokens"] == len([t for t in out if t != 0])
 
@@ -284,7 +272,7 @@ def test_generate_should_stop_is_checked_between_decoder_steps(offline):
     from export.generation import GenerationStopped
 
     m = offline["sum"]
-    ids = m.tokenizer.encode(text_of(60, seed=7), add_special_tokens=False).ids + [special(m, "eos", "</s>")]
+    ids = m.tokenizer.encode(text_of(60, seed=7), add_special_tokens=False).ids + [m.manifest.special_tokens["eos"]]
     ids, mask = np.array([ids]), np.ones((1, len(ids)), np.int64)
     for beams in (1, 3):
         plain = m.generate(ids, mask, max_new_tokens=12, num_beams=beams)
@@ -310,7 +298,7 @@ def test_io_binding_decoder_matches_decoder_step(tiny_summarize_dir):
     host = OnnxWorker("sum", tiny_summarize_dir, "cpu", threads=1)
     dec = IoBindingDecoder(host.model, "cpu")
     m = host.model
-    eos = special(m, "eos", "</s>")
+    eos = m.manifest.special_tokens["eos"]
     docs = [m.tokenizer.encode(text_of(n, seed=n), add_special_tokens=False).ids + [eos] for n in (40, 25, 60)]
     start = host.info.special_tokens.get("decoder_start") or 0
     a_host, a_dev = host.begin(docs[:2]), host.begin(docs[:2])

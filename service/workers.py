@@ -233,7 +233,7 @@ class IoBindingEncoder:
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0, cache_size: int = 16):
         import onnxruntime as ort
 
-        from export.sparse_attention import LAYOUT_INPUTS
+        from export.layout_feed import LAYOUT_INPUTS  # NumPy only: serve-only installs have no onnx
 
         self.ort = ort
         self.model = model

@@ -216,6 +216,20 @@ def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
 # the app
 
 
+class MeasuredStream(StreamingResponse):
+    """A streamed answer whose request ends with its last event: `on_end()` runs once the stream
+    is over (done, failed or its client gone), not when the route returns the response object."""
+
+    on_end: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_end is not None:
+                self.on_end()
+
+
 def _error(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
 
@@ -327,6 +341,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             m.failures.labels(endpoint, "unavailable").inc()
             return _error(Unavailable("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
+        streaming = False  # a stream leaves in_flight when its last event is sent
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
 
@@ -358,15 +373,30 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 return _error(ServiceError("internal error"))
             if model is not None:
                 label = (model.info.name, endpoint, length_label(n_tokens, model.length_bounds))
-                m.request_seconds.labels(*label).observe(time.monotonic() - timing.start)
-                m.tokenize_seconds.labels(*label).observe(timing.tokenize)
-                m.queue_seconds.labels(*label).observe(timing.queue)
-                m.inference_seconds.labels(*label).observe(timing.inference)
+
+                def record() -> None:
+                    m.request_seconds.labels(*label).observe(time.monotonic() - timing.start)
+                    m.tokenize_seconds.labels(*label).observe(timing.tokenize)
+                    m.queue_seconds.labels(*label).observe(timing.queue)
+                    m.inference_seconds.labels(*label).observe(timing.inference)
+
+                if isinstance(response, MeasuredStream):  # measured to its last event, not to here
+                    first_event = time.monotonic()
+
+                    def stream_ended() -> None:
+                        timing.inference = time.monotonic() - first_event
+                        record()
+                        m.in_flight.labels(endpoint).dec()
+
+                    response.on_end, streaming = stream_ended, True
+                else:
+                    record()
             response.headers.update(timing.headers())
             return response
         finally:
             watcher.cancel()
-            m.in_flight.labels(endpoint).dec()
+            if not streaming:
+                m.in_flight.labels(endpoint).dec()
 
     # ---- QA
     @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])
@@ -462,7 +492,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                     first = None
                 timing.queue = time.monotonic() - t
                 ids, n, truncated = prepared[0]
-                return StreamingResponse(
+                return MeasuredStream(
                     _sse(it, first, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
                     media_type="text/event-stream", headers={"cache-control": "no-store"},
                 ), model, n_tokens

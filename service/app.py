@@ -33,7 +33,8 @@ from service.validation import (
     QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
     validate_summarize,
 )
-from service.workers import GenerateParams, ModelInfo, Worker, onnx_worker_factory
+from model.search import resolve_settings
+from service.workers import ModelInfo, Worker, onnx_worker_factory
 
 log = logging.getLogger("longdoc.service")
 TASKS = ("qa", "summarize", "classify")
@@ -99,9 +100,7 @@ class Service:
             if info.task == "summarize":
                 for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
                     extra.close()
-                sp = info.special_tokens
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
-                                         eos=int(sp["eos"]), decoder_start=int(sp.get("decoder_start") or 0),
                                          restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
                 devices = [s.devices[0]]
             else:
@@ -473,7 +472,9 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         max_new = job.max_new_tokens or min(128, model.info.max_new_tokens)
         if max_new > model.info.max_new_tokens:
             raise InvalidRequest(f"max_new_tokens {max_new} exceeds this model's {model.info.max_new_tokens}")
-        params = GenerateParams(max_new, job.num_beams, job.length_penalty, job.no_repeat_ngram_size)
+        # the request's settings over the model's generation defaults: what OnnxModel.generate uses
+        search = resolve_settings(model.info.generation, max_new_tokens=max_new, num_beams=job.num_beams,
+                                  length_penalty=job.length_penalty, no_repeat_ngram_size=job.no_repeat_ngram_size)
         tok = model.info.tokenizer
 
         async def work(state: RequestState, timing: Timing):
@@ -482,7 +483,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             prepared = await service.tokenize(_prepare_summarize, model.info, job, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
-            streams = [await model.engine.submit(ids, params, state) for ids, _, _ in prepared]
+            streams = [await model.engine.submit(ids, search, state) for ids, _, _ in prepared]
             n_tokens = sum(p[1] for p in prepared)
             if job.stream:
                 it = streams[0].__aiter__()

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from model.search import resolve_settings
 from service import windows as W
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
@@ -33,7 +34,6 @@ from service.validation import (
     QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
     validate_summarize,
 )
-from model.search import resolve_settings
 from service.workers import ModelInfo, Worker, onnx_worker_factory
 
 log = logging.getLogger("longdoc.service")

@@ -27,10 +27,10 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
+from model.search import SearchSettings, greedy_tokens, is_finished
 from service.batching import BatchingPolicy, Entry
 from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
 from service.metrics import Metrics
-from model.search import SearchSettings, greedy_tokens, is_finished
 from service.workers import EncoderBatch, GenerationStopped, Worker
 
 log = logging.getLogger("longdoc.service")

@@ -82,10 +82,9 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
     requests = [dict(max_new_tokens=24, min_length=20), dict(max_new_tokens=12),
                 dict(max_new_tokens=16, no_repeat_ngram_size=0), dict(max_new_tokens=10, num_beams=3)]
     want = [reference(model, ids, **options) for ids, options in zip(docs, requests)]
-    # the options matter: without the model's defaults the answers differ
-    plain = [reference(model, ids, **options, **{k: v for k, v in dict(min_length=0, no_repeat_ngram_size=0,
-                                                                      length_penalty=1.0).items() if k not in options})
-             for ids, options in zip(docs, requests)]
+    # the options matter: with transformers' defaults instead of the model's the answers differ
+    unset = dict(min_length=0, no_repeat_ngram_size=0, length_penalty=1.0)
+    plain = [reference(model, ids, **{**unset, **options}) for ids, options in zip(docs, requests)]
     assert sum(p != w for p, w in zip(plain, want)) >= 2
 
     async def go():
@@ -140,7 +139,8 @@ def test_app_answers_as_the_reference_search(tiny_summarize_options_dir):
 
     model = OnnxModel(tiny_summarize_options_dir, threads=1)
     texts = [text_of(n, seed) for n, seed in ((200, 5), (30, 6), (120, 7))]
-    bodies = [{"documents": texts[:2], "max_new_tokens": 12}, {"document": texts[2], "max_new_tokens": 12, "stream": True},
+    bodies = [{"documents": texts[:2], "max_new_tokens": 12},
+              {"document": texts[2], "max_new_tokens": 12, "stream": True},
               {"document": texts[1], "max_new_tokens": 12, "num_beams": 3},
               {"document": texts[0], "max_new_tokens": 12, "no_repeat_ngram_size": 0, "stream": True}]
     responses = asyncio.run(ask(tiny_summarize_options_dir, bodies))

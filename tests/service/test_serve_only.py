@@ -26,7 +26,8 @@ import numpy as np
 import onnxruntime as ort
 
 from model.search import resolve_settings
-from service.workers import CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker, onnx_worker_factory
+from service.workers import (CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker,
+                             onnx_worker_factory)
 from service.settings import Settings
 
 qa_dir, sum_dir = sys.argv[1], sys.argv[2]
@@ -45,7 +46,8 @@ want = cpu_qa.run(batch)
 cpu_sum = OnnxWorker("sum", sum_dir, "cpu", threads=1)
 want_logits = summarize_step(cpu_sum, cpu_sum.step)
 assert want_logits.shape[0] == 1
-beam = cpu_sum.generate(list(range(7, 47)), resolve_settings(cpu_sum.info.generation, max_new_tokens=3, num_beams=2))
+settings = resolve_settings(cpu_sum.info.generation, max_new_tokens=3, num_beams=2)
+beam = cpu_sum.generate(list(range(7, 47)), settings)
 assert len(beam) <= 3
 
 got = IoBindingEncoder(cpu_qa.model, "cpu").run(batch)

@@ -203,8 +203,20 @@ GENERATION_KEYS = ("max_length", "num_beams", "length_penalty", "no_repeat_ngram
 
 
 def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
-    """The generation settings of the checkpoint (config.json, as model.generation reads them)."""
-    return {key: config[key] for key in GENERATION_KEYS if config.get(key) is not None}
+    """The generation settings of the checkpoint: generation_config.json where it has one
+    (transformers writes them there; a key it names wins, null = unset), else config.json
+    (older checkpoints)."""
+    path = Path(checkpoint_dir) / "generation_config.json"
+    generation = {}
+    if path.is_file():
+        try:
+            generation = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(generation, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
+    merged = {**config, **generation}
+    return {key: merged[key] for key in GENERATION_KEYS if merged.get(key) is not None}
 
 
 def _default_arch(task: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from model.search import GenerationStopped, SearchSettings, beam_search, check_stop, greedy_search, resolve_settings
 
-__all__ = ["GenerationStopped", "SearchSettings", "generate", "settings_for"]
+__all__ = ["GenerationStopped", "SearchSettings", "generate", "generated_tokens", "search_defaults", "settings_for"]
 
 
 class _CachedDecoder:
@@ -42,25 +42,34 @@ class _CachedDecoder:
         self.past = [p[rows] for p in self.past]
 
 
-def settings_for(manifest, max_new_tokens=None, num_beams=None, length_penalty=None, no_repeat_ngram_size=None,
-                 early_stopping=None, min_length=None) -> SearchSettings:
-    """Unset arguments come from the exported generation defaults (manifest.decoder["generation"]);
-    eos and pad are the manifest's special tokens."""
+def search_defaults(manifest) -> dict:
+    """A model's generation defaults under transformers' names, for `resolve_settings`: the
+    exported ones (manifest.decoder["generation"]: the checkpoint's generation_config.json over
+    its config.json) with eos and pad from the manifest's special tokens, and decoder_start from
+    there too unless the generation defaults name one. The one translation of a manifest into
+    search settings: `settings_for` and the service (ModelInfo.generation) both use it."""
     defaults = dict((manifest.decoder or {}).get("generation", {}))
     special = manifest.special_tokens
     defaults["eos_token_id"] = special.get("eos")
     defaults["pad_token_id"] = special.get("pad")
     if defaults.get("decoder_start_token_id") is None:
         defaults["decoder_start_token_id"] = special.get("decoder_start")
-    return resolve_settings(defaults, max_new_tokens=max_new_tokens, num_beams=num_beams,
+    return defaults
+
+
+def settings_for(manifest, max_new_tokens=None, num_beams=None, length_penalty=None, no_repeat_ngram_size=None,
+                 early_stopping=None, min_length=None) -> SearchSettings:
+    """Unset arguments come from the model's generation defaults (`search_defaults`)."""
+    return resolve_settings(search_defaults(manifest), max_new_tokens=max_new_tokens, num_beams=num_beams,
                             length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                             early_stopping=early_stopping, min_length=min_length)
 
 
 def generate(model, input_ids, attention_mask=None, should_stop: Callable[[], bool] | None = None,
-             **options) -> list[list[int]]:
-    """Greedy (num_beams 1) or beam search with an export.runtime.OnnxModel."""
-    s = settings_for(model.manifest, **options)
+             settings: SearchSettings | None = None, **options) -> list[list[int]]:
+    """Greedy (num_beams 1) or beam search with an export.runtime.OnnxModel; `settings` as
+    resolved already (the service), else `settings_for(model.manifest, **options)`."""
+    s = settings if settings is not None else settings_for(model.manifest, **options)
     input_ids = np.asarray(input_ids, dtype=np.int64)
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
@@ -91,3 +100,10 @@ def _strip(row: list[int], s: SearchSettings) -> list[int]:
         if tok in s.eos_token_ids:
             return row[: i + 1]
     return row
+
+
+def generated_tokens(row: list[int], s: SearchSettings) -> list[int]:
+    """What a summary is made of: a `generate` row without its start token and without the eos
+    that ended it (the tokens the service streams)."""
+    row = _strip(row, s)[1:]
+    return row[:-1] if row and row[-1] in s.eos_token_ids else row

@@ -187,10 +187,12 @@ class OnnxModel:
         outs = self.sessions["decoder"].run(names, feed)
         return outs[0], outs[1:]
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 64, num_beams: int = 1,
-                 length_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
-                 early_stopping: bool = False, should_stop=None) -> list[list[int]]:
-        """should_stop: optional () -> bool, checked before each decoder step (thread-safe is the
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = 64, num_beams: int | None = None,
+                 length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                 early_stopping: bool | str | None = None, min_length: int | None = None,
+                 should_stop=None) -> list[list[int]]:
+        """Unset (None) options are the model's generation defaults (manifest), else transformers'.
+        should_stop: optional () -> bool, checked before each decoder step (thread-safe is the
         caller's business); true raises export.generation.GenerationStopped."""
         from export.generation import generate
 
@@ -198,7 +200,7 @@ class OnnxModel:
             raise ValueError(f"generate needs a summarize model, this one is {self.manifest.task!r}")
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
                         length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                        early_stopping=early_stopping, should_stop=should_stop)
+                        early_stopping=early_stopping, min_length=min_length, should_stop=should_stop)
 
 
 def _release_freed_heap() -> None:

@@ -18,6 +18,9 @@ For a padded length S = nb * block_size (paper App. D, Fig. 6):
 
 Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
 table: K = nb, every row lists every key block, which is exact full attention.
+
+This module builds graphs and needs the `onnx` package; the host side that serving needs (the
+input names `LAYOUT_INPUTS`, the feeds) is export/layout_feed.py, which does not.
 """
 
 from __future__ import annotations
@@ -28,9 +31,6 @@ import numpy as np
 from onnx import TensorProto
 
 from export.graph import NEG_INF, GraphBuilder
-from export.layout_feed import LAYOUT_INPUTS  # noqa: F401  (re-exported)
-
-
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 

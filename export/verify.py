@@ -279,7 +279,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
             ids, mask = _random_batch(rng, m, vocab, S, B)
             if m.task == "summarize":
                 dec = rng.integers(0, vocab, (B, 5))
-                dec[:, 0] = m.special_tokens.get("decoder_start") or 0
+                dec[:, 0] = m.special_tokens["decoder_start"]
                 state = onnx_model.encode_for_decoding(ids, mask)
                 got, _ = onnx_model.decoder_step(state, dec, np.broadcast_to(np.arange(5), (B, 5)),
                                                  np.ones((B, 5), np.int64), onnx_model.empty_past(B))

@@ -120,8 +120,11 @@ def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
 
 
 def process_scores(sequences: np.ndarray, scores: np.ndarray, s: SearchSettings) -> np.ndarray:
-    """sequences: (N, cur_len) int64; scores: (N, V) float32 (logits for greedy, log-probs for
-    beam). Returns new scores with forbidden tokens at -inf."""
+    """The one per-step logits processing, in transformers' order (no-repeat-ngram, min-length,
+    forced-eos). sequences: (N, cur_len) int64, the decoder rows so far (start token included);
+    scores: (N, V) float32 (logits for greedy, log-probs for beam). Returns new scores with
+    forbidden tokens at -inf. Rows that differ in length or settings (the service's decoding batch)
+    call it one row at a time: sequences (1, own cur_len), with their own settings."""
     scores = scores.copy()
     N, cur_len = sequences.shape
     V = scores.shape[-1]
@@ -137,6 +140,18 @@ def process_scores(sequences: np.ndarray, scores: np.ndarray, s: SearchSettings)
         scores[:] = NEG_INF
         scores[:, list(s.forced_eos_token_ids)] = 0.0
     return scores
+
+
+def greedy_tokens(sequences: np.ndarray, logits: np.ndarray, s: SearchSettings) -> np.ndarray:
+    """The greedy choice for each row: the first maximum (as torch.argmax) of the processed
+    float32 logits. sequences (N, cur_len) int64, logits (N, V) -> (N,) int64."""
+    return np.argmax(process_scores(sequences, np.asarray(logits, dtype=np.float32), s), axis=-1)
+
+
+def is_finished(sequence_length: int, token: int, s: SearchSettings) -> bool:
+    """Whether a greedy row that just appended `token` (now `sequence_length` long, start token
+    included) is done: it produced eos or reached max_length (transformers' stopping criteria)."""
+    return token in s.eos_token_ids or sequence_length >= s.max_length
 
 
 def _ends_with_eos(tokens: np.ndarray, s: SearchSettings) -> np.ndarray:
@@ -158,13 +173,11 @@ def greedy_search(next_logits: NextLogits, batch_size: int, s: SearchSettings,
     pad = s.pad_token_id if s.pad_token_id is not None else (s.eos_token_ids[0] if s.eos_token_ids else None)
     while sequences.shape[1] < s.max_length:
         check_stop(should_stop)
-        logits = np.asarray(next_logits(sequences), dtype=np.float32)  # (B, V)
-        scores = process_scores(sequences, logits, s)
-        next_tokens = np.argmax(scores, axis=-1)  # (B,) the first maximum, as torch.argmax
+        next_tokens = greedy_tokens(sequences, next_logits(sequences), s)  # (B,)
         if s.eos_token_ids:
             next_tokens = np.where(unfinished, next_tokens, pad)
         sequences = np.concatenate([sequences, next_tokens[:, None]], axis=1)
-        unfinished &= ~_ends_with_eos(next_tokens, s)
+        unfinished &= ~np.array([is_finished(sequences.shape[1], t, s) for t in next_tokens.tolist()])
         if not unfinished.any():
             break
     return sequences

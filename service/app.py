@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from export import windows as W
+from model.search import resolve_settings
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
 from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
@@ -33,7 +34,7 @@ from service.validation import (
     QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
     validate_summarize,
 )
-from service.workers import GenerateParams, ModelInfo, Worker, onnx_worker_factory
+from service.workers import ModelInfo, Worker, onnx_worker_factory
 
 log = logging.getLogger("longdoc.service")
 TASKS = ("qa", "summarize", "classify")
@@ -99,9 +100,7 @@ class Service:
             if info.task == "summarize":
                 for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
                     extra.close()
-                sp = info.special_tokens
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
-                                         eos=int(sp["eos"]), decoder_start=int(sp.get("decoder_start") or 0),
                                          restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
                 devices = [s.devices[0]]
             else:
@@ -216,6 +215,20 @@ def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
 # the app
 
 
+class MeasuredStream(StreamingResponse):
+    """A streamed answer whose request ends with its last event: `on_end()` runs once the stream
+    is over (done, failed or its client gone), not when the route returns the response object."""
+
+    on_end: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_end is not None:
+                self.on_end()
+
+
 def _error(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
 
@@ -327,6 +340,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             m.failures.labels(endpoint, "unavailable").inc()
             return _error(Unavailable("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
+        streaming = False  # a stream leaves in_flight when its last event is sent
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
 
@@ -358,15 +372,30 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 return _error(ServiceError("internal error"))
             if model is not None:
                 label = (model.info.name, endpoint, length_label(n_tokens, model.length_bounds))
-                m.request_seconds.labels(*label).observe(time.monotonic() - timing.start)
-                m.tokenize_seconds.labels(*label).observe(timing.tokenize)
-                m.queue_seconds.labels(*label).observe(timing.queue)
-                m.inference_seconds.labels(*label).observe(timing.inference)
+
+                def record() -> None:
+                    m.request_seconds.labels(*label).observe(time.monotonic() - timing.start)
+                    m.tokenize_seconds.labels(*label).observe(timing.tokenize)
+                    m.queue_seconds.labels(*label).observe(timing.queue)
+                    m.inference_seconds.labels(*label).observe(timing.inference)
+
+                if isinstance(response, MeasuredStream):  # measured to its last event, not to here
+                    first_event = time.monotonic()
+
+                    def stream_ended() -> None:
+                        timing.inference = time.monotonic() - first_event
+                        record()
+                        m.in_flight.labels(endpoint).dec()
+
+                    response.on_end, streaming = stream_ended, True
+                else:
+                    record()
             response.headers.update(timing.headers())
             return response
         finally:
             watcher.cancel()
-            m.in_flight.labels(endpoint).dec()
+            if not streaming:
+                m.in_flight.labels(endpoint).dec()
 
     # ---- QA
     @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])
@@ -443,7 +472,9 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         max_new = job.max_new_tokens or min(128, model.info.max_new_tokens)
         if max_new > model.info.max_new_tokens:
             raise InvalidRequest(f"max_new_tokens {max_new} exceeds this model's {model.info.max_new_tokens}")
-        params = GenerateParams(max_new, job.num_beams, job.length_penalty, job.no_repeat_ngram_size)
+        # the request's settings over the model's generation defaults: what OnnxModel.generate uses
+        search = resolve_settings(model.info.generation, max_new_tokens=max_new, num_beams=job.num_beams,
+                                  length_penalty=job.length_penalty, no_repeat_ngram_size=job.no_repeat_ngram_size)
         tok = model.info.tokenizer
 
         async def work(state: RequestState, timing: Timing):
@@ -452,7 +483,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             prepared = await service.tokenize(_prepare_summarize, model.info, job, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
-            streams = [await model.engine.submit(ids, params, state) for ids, _, _ in prepared]
+            streams = [await model.engine.submit(ids, search, state) for ids, _, _ in prepared]
             n_tokens = sum(p[1] for p in prepared)
             if job.stream:
                 it = streams[0].__aiter__()
@@ -462,7 +493,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                     first = None
                 timing.queue = time.monotonic() - t
                 ids, n, truncated = prepared[0]
-                return StreamingResponse(
+                return MeasuredStream(
                     _sse(it, first, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
                     media_type="text/event-stream", headers={"cache-control": "no-store"},
                 ), model, n_tokens

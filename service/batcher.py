@@ -6,8 +6,10 @@ only the batcher task touches the queue (a `BatchingPolicy`) and the workers.
   a request cancelled or past its deadline has its remaining windows skipped.
 - `DecodeScheduler` (summarize): iteration-level batching. Every decoder step runs all live
   sequences together; new requests are encoded and join at the next step; finished, cancelled
-  or expired sequences leave after the step that finished them. Beam search runs alone through
-  the worker's `generate`, which checks the request between decoder steps and stops it too.
+  or expired sequences leave after the step that finished them. Each sequence's next token is
+  model/search.py's greedy choice for that sequence alone (its own length and `SearchSettings`),
+  so the answer is the one `OnnxModel.generate` gives. Beam search runs alone through the
+  worker's `generate`, which checks the request between decoder steps and stops it too.
 
 A worker whose run raises is replaced (restarted from its factory, in the background); the
 requests of the failed batch get 503 and the queue keeps going on the other workers.
@@ -26,10 +28,11 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from export.manifest import PER_TOKEN_OUTPUTS
+from model.search import SearchSettings, greedy_tokens, is_finished
 from service.batching import BatchingPolicy, Entry
 from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
 from service.metrics import Metrics
-from service.workers import EncoderBatch, GenerateParams, GenerationStopped, Worker
+from service.workers import EncoderBatch, GenerationStopped, Worker
 
 log = logging.getLogger("longdoc.service")
 
@@ -281,36 +284,22 @@ class EncoderBatcher:
 @dataclass(eq=False)
 class DecodeJob:
     input_ids: list[int]
-    params: GenerateParams
+    settings: SearchSettings
     request: RequestState
     tokens: asyncio.Queue  # ints, then None (done) or an Exception
     enqueued: float
     started: float = 0.0
     state: Any = None
-    generated: list[int] = field(default_factory=list)
-    last: int = 0
+    sequence: list[int] = field(default_factory=list)  # decoder tokens so far, decoder_start first
     abandoned: bool = False  # its consumer is gone
 
     def is_done(self) -> bool:
         return self.abandoned or self.request.is_done()
 
 
-def _banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
-    """Tokens that would repeat an n-gram already in `tokens` (no_repeat_ngram_size)."""
-    if n <= 0 or len(tokens) < n:
-        return set()
-    prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
-    banned = set()
-    for i in range(len(tokens) - n + 1):
-        if tuple(tokens[i : i + n - 1]) == prefix:
-            banned.add(tokens[i + n - 1])
-    return banned
-
-
 class DecodeScheduler:
     def __init__(self, model: str, slot: WorkerSlot, metrics: Metrics, max_decode_batch: int,
-                 max_queue_tokens: int, eos: int, decoder_start: int, restart_backoff_s: float = 0.5,
-                 *, endpoint: str):
+                 max_queue_tokens: int, restart_backoff_s: float = 0.5, *, endpoint: str):
         self.model = model
         self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
         metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
@@ -319,8 +308,6 @@ class DecodeScheduler:
         self.metrics = metrics
         self.max_decode_batch = max_decode_batch
         self.max_queue_tokens = max_queue_tokens
-        self.eos = eos
-        self.decoder_start = decoder_start
         self.restart_backoff_s = restart_backoff_s
         self.pending: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
@@ -337,12 +324,14 @@ class DecodeScheduler:
     def _queued_tokens(self) -> int:
         return sum(len(j.input_ids) for j in self.pending)
 
-    async def submit(self, input_ids: list[int], params: GenerateParams, request: RequestState) -> AsyncIterator[int]:
-        """Yields generated token ids as they come; raises the request's error if it fails."""
+    async def submit(self, input_ids: list[int], settings: SearchSettings,
+                     request: RequestState) -> AsyncIterator[int]:
+        """Yields generated token ids as they come (not the eos that ends them); raises the
+        request's error if it fails."""
         queued = self._queued_tokens()
         if self.pending and queued + len(input_ids) > self.max_queue_tokens:
             raise Overloaded(f"model {self.model} has {queued} tokens queued (limit {self.max_queue_tokens})", 1)
-        job = DecodeJob(list(input_ids), params, request, asyncio.Queue(), time.monotonic())
+        job = DecodeJob(list(input_ids), settings, request, asyncio.Queue(), time.monotonic())
         self.pending.append(job)
         self._gauges()
         self._wake.set()
@@ -399,14 +388,14 @@ class DecodeScheduler:
             self._gauges()
             return
         head = self.pending[0]
-        if head.params.num_beams > 1:  # beam search runs alone and whole, in FIFO order:
+        if head.settings.num_beams > 1:  # beam search runs alone and whole, in FIFO order:
             if self.running:  # let the running batch finish first, admit nobody past it
                 return
             job = self.pending.pop(0)
             self._gauges()
             job.started = time.monotonic()
             try:  # job.is_done reads a flag and the clock: safe from the worker thread
-                out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.params, job.is_done)
+                out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.settings, job.is_done)
             except GenerationStopped:  # past its deadline or its client left: stopped between steps
                 self.metrics.input_tokens.labels(self.model, self.endpoint).inc(len(job.input_ids))
                 self._finish(job, job.request.error())
@@ -422,7 +411,7 @@ class DecodeScheduler:
             return
         joining = []
         for j in self.pending:  # greedy requests up to the next beam-search one
-            if j.params.num_beams > 1 or len(joining) == room:
+            if j.settings.num_beams > 1 or len(joining) == room:
                 break
             joining.append(j)
         for j in joining:
@@ -437,7 +426,7 @@ class DecodeScheduler:
         self.metrics.input_tokens.labels(self.model, self.endpoint).inc(sum(len(j.input_ids) for j in joining))
         now = time.monotonic()
         for j, s in zip(joining, states):
-            j.state, j.last, j.started = s, self.decoder_start, now
+            j.state, j.sequence, j.started = s, [j.settings.decoder_start_token_id], now
         self.running.extend(joining)
 
     async def _step(self) -> None:
@@ -451,21 +440,17 @@ class DecodeScheduler:
         if not live:
             return
         self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
-        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live], [j.last for j in live])
+        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live],
+                                      [j.sequence[-1] for j in live])  # (n, V)
         still = []
-        for job, row in zip(live, logits):
-            row = np.asarray(row, dtype=np.float64).copy()
-            for t in _banned_ngram_tokens(job.generated, job.params.no_repeat_ngram_size):
-                row[t] = -np.inf
-            tok = int(row.argmax())
-            if tok == self.eos:
-                self._finish(job, None)
-                continue
-            job.generated.append(tok)
-            job.last = tok
-            job.tokens.put_nowait(tok)
-            self.metrics.generated_tokens.labels(self.model).inc()
-            if len(job.generated) >= job.params.max_new_tokens:
+        for job, row in zip(live, logits):  # (V,) each: the search's greedy choice, row by row
+            s = job.settings
+            tok = int(greedy_tokens(np.asarray([job.sequence], dtype=np.int64), row[None], s)[0])
+            job.sequence.append(tok)
+            if tok not in s.eos_token_ids:  # the eos that ends a summary is not part of it
+                job.tokens.put_nowait(tok)
+                self.metrics.generated_tokens.labels(self.model).inc()
+            if is_finished(len(job.sequence), tok, s):
                 self._finish(job, None)
             else:
                 still.append(job)

@@ -38,9 +38,11 @@ class QARequest(_Body):
 
 class SummarizeRequest(_Body):
     max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Default: 128, capped by the model.")
-    num_beams: int = Field(1, ge=1, le=8)
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
-    no_repeat_ngram_size: int = Field(0, ge=0, le=16)
+    # unset: the model's generation default (its checkpoint's), else transformers' (1, 1.0, 0)
+    num_beams: int | None = Field(None, ge=1, le=8, description="Default: the model's, else 1.")
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False,
+                                         description="Default: the model's, else 1.0.")
+    no_repeat_ngram_size: int | None = Field(None, ge=0, le=16, description="Default: the model's, else 0.")
     stream: bool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
 
 
@@ -151,9 +153,9 @@ class QAJob:
 class SummarizeJob:
     common: Common
     max_new_tokens: int | None
-    num_beams: int
-    length_penalty: float
-    no_repeat_ngram_size: int
+    num_beams: int | None  # None: the model's default
+    length_penalty: float | None
+    no_repeat_ngram_size: int | None
     stream: bool
 
 

@@ -2,8 +2,10 @@
 text-embeddings-inference's backend trait): `info`, `health()`, `max_batch_tokens`,
 `warmup()`, `run(batch)` for encoders, and `begin`/`step`/`generate` for summarization.
 A worker never sees a pydantic model or a request; the batcher calls it from one thread.
-`generate(..., should_stop)` calls `should_stop()` (from the worker thread) before every decoder
-step and raises `GenerationStopped` when it returns true.
+`step` returns raw next-token logits: the scheduler chooses tokens with model/search.py, per
+sequence with its own `SearchSettings`. `generate(input_ids, settings, should_stop)` runs the
+whole search (beam search) and calls `should_stop()` (from the worker thread) before every
+decoder step, raising `GenerationStopped` when it returns true.
 
 - `OnnxWorker`: `export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
   (intra-op threads configurable), or on CUDA (`CudaWorker`).
@@ -21,7 +23,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-from export.generation import GenerationStopped  # numpy only, no torch
+from export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
+from model.search import SearchSettings, beam_search, greedy_search
 from service.settings import parse_device
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
@@ -43,6 +46,9 @@ class ModelInfo:
     dtype: str = "fp32"
     max_new_tokens: int = 256  # summarize: decoder positions available
     directory: str = ""
+    # summarize: generation defaults under transformers' names (export.generation.search_defaults),
+    # what a request's settings are resolved against (model.search.resolve_settings)
+    generation: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,14 +56,6 @@ class EncoderBatch:
     input_ids: np.ndarray  # (B, S) int64, padded with the pad id
     attention_mask: np.ndarray  # (B, S) int64, 1 = real token
     token_type_ids: np.ndarray | None  # (B, S) int64 or None
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    max_new_tokens: int
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
 
 
 class Worker(Protocol):
@@ -70,8 +68,8 @@ class Worker(Protocol):
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]: ...  # outputs (B, S, ...)
     def begin(self, input_ids: list[list[int]]) -> list[Any]: ...  # summarize: encode, one state each
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray: ...  # (n, vocab) next-token logits
-    def generate(self, input_ids: list[int], params: GenerateParams,
-                 should_stop: Callable[[], bool] | None = None) -> list[int]: ...  # beam search
+    def generate(self, input_ids: list[int], settings: SearchSettings,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]: ...  # generated tokens, no eos
     def close(self) -> None: ...
 
 
@@ -98,6 +96,7 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
         dtype=m.dtype,
         max_new_tokens=max_new,
         directory=str(directory),
+        generation=search_defaults(m) if m.task == "summarize" else {},
     )
 
 
@@ -147,7 +146,7 @@ class OnnxWorker:
         ids = np.full((1, s), self.info.special_tokens.get("sep") or 1, dtype=np.int64)
         if self.info.task == "summarize":
             states = self.begin([ids[0].tolist()])
-            self.step(states, [self.info.special_tokens.get("decoder_start") or 0])
+            self.step(states, [self.info.special_tokens["decoder_start"]])
         else:
             self.run(EncoderBatch(ids, np.ones_like(ids), np.zeros_like(ids)))
 
@@ -193,22 +192,13 @@ class OnnxWorker:
             s.length += 1
         return logits[:, -1]  # (B, V)
 
-    def generate(self, input_ids: list[int], params: GenerateParams,
+    def generate(self, input_ids: list[int], settings: SearchSettings,
                  should_stop: Callable[[], bool] | None = None) -> list[int]:
+        from export.generation import generate
+
         ids = np.asarray([input_ids], dtype=np.int64)
-        out = self.model.generate(
-            ids, np.ones_like(ids), max_new_tokens=params.max_new_tokens, num_beams=params.num_beams,
-            length_penalty=params.length_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
-            should_stop=should_stop,
-        )
-        sp = self.info.special_tokens
-        tokens = []
-        for t in list(out[0])[1:]:  # generate() starts with decoder_start
-            if t == sp.get("eos"):
-                break
-            if t != sp.get("pad"):
-                tokens.append(int(t))
-        return tokens
+        out = generate(self.model, ids, np.ones_like(ids), should_stop, settings=settings)
+        return generated_tokens(out[0], settings)
 
     def close(self) -> None:
         self.model = None
@@ -224,7 +214,7 @@ class IoBindingEncoder:
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0, cache_size: int = 16):
         import onnxruntime as ort
 
-        from export.sparse_attention import LAYOUT_INPUTS
+        from export.layout_feed import LAYOUT_INPUTS  # NumPy only: serve-only installs have no onnx
 
         self.ort = ort
         self.model = model
@@ -384,6 +374,7 @@ def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Wo
 # The fake worker (tests): deterministic "models" over a tiny word-level tokenizer.
 
 FAKE_SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "eos": 5, "bos": 6, "decoder_start": 0}
+FAKE_GENERATION = {"eos_token_id": 5, "pad_token_id": 0, "decoder_start_token_id": 0}
 FAKE_WORDS = ("gold", "good", "bad", "the", "is", "where", "what", "a", "of", "and", "answer")
 
 
@@ -411,7 +402,7 @@ class FakeWorker:
         self.info = ModelInfo(
             name=name, task=task, max_length=max_length, block_size=block_size, tokenizer=self.tokenizer,
             special_tokens=dict(FAKE_SPECIALS), labels=("bad", "good") if task == "classify" else None,
-            plan="hf-eval", max_new_tokens=64,
+            plan="hf-eval", max_new_tokens=64, generation=dict(FAKE_GENERATION),
         )
         self.max_batch_tokens = max_batch_tokens
         self.delay_s = delay_s
@@ -419,7 +410,7 @@ class FakeWorker:
         self.summary_tokens = summary_tokens
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.batches: list[tuple[int, int]] = []  # (batch size, padded length) per run
-        self.steps: list[int] = []  # batch size per decoder step
+        self.steps: list[int] = []  # requests per decoder step
         self._lock = threading.Lock()
         self._healthy = True
         self.closed = False
@@ -459,9 +450,12 @@ class FakeWorker:
         return [{"source": list(ids), "length": 0} for ids in input_ids]
 
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
+        self.steps.append(len(states))
+        return self._next_logits(states)
+
+    def _next_logits(self, states: list[Any]) -> np.ndarray:
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.steps.append(len(states))
         logits = np.zeros((len(states), self.vocab_size), np.float32)
         for i, s in enumerate(states):
             source = [t for t in s["source"] if t > FAKE_SPECIALS["bos"]]
@@ -471,18 +465,21 @@ class FakeWorker:
             s["length"] += 1
         return logits
 
-    def generate(self, input_ids: list[int], params: GenerateParams,
+    def generate(self, input_ids: list[int], settings: SearchSettings,
                  should_stop: Callable[[], bool] | None = None) -> list[int]:
-        states = self.begin([input_ids])
-        out, tok = [], FAKE_SPECIALS["decoder_start"]
-        for _ in range(params.max_new_tokens):
-            if should_stop is not None and should_stop():
-                raise GenerationStopped("generation stopped between decoder steps")
-            tok = int(self.step(states, [tok])[0].argmax())
-            if tok == FAKE_SPECIALS["eos"]:
-                break
-            out.append(tok)
-        return out
+        """model/search.py over the decoder steps: the next token depends only on the position,
+        so beams need no reordering."""
+        states = self.begin([input_ids] * settings.num_beams)
+
+        def next_logits(sequences: np.ndarray) -> np.ndarray:
+            self.steps.append(1)  # one request, however many beams
+            return self._next_logits(states)
+
+        if settings.num_beams == 1:
+            out = greedy_search(next_logits, 1, settings, should_stop)
+        else:
+            out = beam_search(next_logits, lambda rows: None, 1, settings, should_stop)
+        return generated_tokens(out[0].tolist(), settings)
 
     def close(self) -> None:
         self.closed = True

@@ -2,6 +2,7 @@
 
     make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
                                             model.safetensors, tokenizer.json
+                                            [, generation_config.json: `generation=`]
     make_tiny_export(directory, task, dtype="fp32")   `longdoc export` of it (a model dir)
 
 Shapes: hidden 32, 2 heads, 2 layers, block_size 16, 2 random blocks, max_position 512 (several
@@ -19,6 +20,10 @@ TASKS = ("qa", "classify", "mlm", "summarize")
 SPECIALS = ["[PAD]", "</s>", "<s>", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, EOS, BOS, UNK, CLS, SEP, MASK = range(len(SPECIALS))
 CLASSIFY_LABELS = ["negative", "neutral", "positive"]
+# generation options the plain tiny summarizer leaves unset (transformers' defaults), for a
+# summarizer that sets every one the search handles: eos is forbidden for the first 5 generated
+# tokens and forced at the last position; no bigram repeats; beams prefer longer hypotheses
+TINY_GENERATION = dict(min_length=6, forced_eos_token_id=EOS, no_repeat_ngram_size=2, length_penalty=0.6)
 
 TINY_WORDS = """
 the of and to a in is it you that he was for on are with as i his they be at one have this from
@@ -90,10 +95,13 @@ def tiny_config(task: str) -> dict:
                 initializer_range=0.25, **extra)
 
 
-def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "model", **overrides) -> Path:
+def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "model", generation: dict | None = None,
+                         **overrides) -> Path:
     """A random-init checkpoint for `task` saved in the Hugging Face format. source="model":
     built with our model/ and written by `model.save_pretrained`; source="transformers": built
-    and saved by transformers (a "converted" checkpoint). `overrides` change config fields."""
+    and saved by transformers (a "converted" checkpoint). `overrides` change config fields;
+    `generation` adds generation settings to generation_config.json, where transformers keeps
+    them (it drops them from config.json)."""
     import torch
 
     if task not in TASKS:
@@ -102,7 +110,7 @@ def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "mod
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = dict(tiny_config(task), **overrides)
     if source == "model":
-        return _make_with_model(directory, task, seed, kwargs)
+        return _write_generation_config(_make_with_model(directory, task, seed, kwargs), generation)
     if source != "transformers":
         raise ValueError("source must be 'model' or 'transformers'")
     import transformers
@@ -121,6 +129,15 @@ def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "mod
             model.final_logits_bias[0, EOS] += 2.0
     model.save_pretrained(directory, safe_serialization=True)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return _write_generation_config(directory, generation)
+
+
+def _write_generation_config(directory: Path, generation: dict | None) -> Path:
+    if generation:
+        path = directory / "generation_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        config.pop("_from_model_config", None)  # edited by hand, as a model author would
+        path.write_text(json.dumps({**config, **generation}, indent=2) + "\n")
     return directory
 
 

@@ -105,3 +105,31 @@ def test_numpy_and_torch_primitives_agree_on_separated_scores():
             assert b.tolist() == a.tolist(), (seed, nb, lp, es, ng)
             widths.add(a.shape[1])
     assert len(widths) >= 2
+
+
+def test_one_row_at_a_time_with_its_own_settings_equals_greedy_search():
+    """The service's decoding batch steps each sequence alone, with its own length and settings
+    (greedy_tokens on a (1, cur_len) row, is_finished), rows joining at different steps: the
+    same tokens as greedy_search for each."""
+    from model.search import greedy_tokens, is_finished
+
+    next_logits = table_decoder(5)
+    variants = [settings(), settings(min_length=6), settings(forced_eos_token_ids=(EOS,), max_length=7),
+                settings(no_repeat_ngram_size=1, max_length=12), settings(min_length=4, no_repeat_ngram_size=2)]
+    rows, live, step = [], [], 0
+    while live or step < len(variants):
+        if step < len(variants):  # row `step` joins now
+            rows.append([START])
+            live.append(step)
+        still = []
+        for i in live:
+            s = variants[i]
+            tok = int(greedy_tokens(np.array([rows[i]]), next_logits(np.array([rows[i]])), s)[0])
+            rows[i].append(tok)
+            if not is_finished(len(rows[i]), tok, s):
+                still.append(i)
+        live, step = still, step + 1
+    for row, s in zip(rows, variants):
+        assert greedy_search(next_logits, 1, s)[0].tolist() == row, s
+    assert len({len(r) for r in rows}) >= 3  # the settings made a difference
+    assert rows[2][-1] == EOS and len(rows[2]) == 7  # forced at the last position

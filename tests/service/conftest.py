@@ -9,11 +9,24 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 
 from service.app import create_app
 from service.settings import Settings
 from service.workers import FakeWorker
+
+
+@pytest.fixture(scope="session")
+def tiny_summarize_options_dir(tmp_path_factory):
+    """A tiny summarizer whose checkpoint sets every generation option the search handles
+    (tests/tiny_models.py TINY_GENERATION: min_length, forced_eos_token_id, no_repeat_ngram_size,
+    length_penalty) in its generation_config.json; exported, fp32."""
+    from tests.tiny_models import TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
+
+    root = tmp_path_factory.mktemp("tiny-summarize-options")
+    checkpoint = make_tiny_checkpoint(root / "checkpoint", "summarize", generation=TINY_GENERATION)
+    return make_tiny_export(root / "model", "summarize", checkpoint_dir=checkpoint)
 
 
 def fake_factory(**per_task):

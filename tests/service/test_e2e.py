@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from service.settings import Settings
+from service.workers import OnnxWorker
 from tests.service.conftest import ThreadServer, free_port
 from export.evaluate import qa_spans
 from export.windows import pool_logits
@@ -93,9 +94,33 @@ def greedy_offline(model, doc: str, max_new: int) -> list[int]:
     return list(out[: out.index(eos)] if eos in out else out)
 
 
-def test_summarize_streaming_and_joining_match_offline_greedy(server, offline):
+class HeldSteps(OnnxWorker):
+    """Decoder steps wait for `go`: requests that arrive meanwhile queue up and join the running
+    batch at the next step, however fast the machine is."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.go = threading.Event()
+        self.encoded = 0  # sequences begun
+
+    def begin(self, input_ids):
+        states = super().begin(input_ids)
+        self.encoded += len(input_ids)
+        return states
+
+    def step(self, states, tokens):
+        assert self.go.wait(30), "the test never let the decoder go"
+        return super().step(states, tokens)
+
+
+def test_summarize_streaming_and_joining_match_offline_greedy(tiny_summarize_dir, offline):
     docs = [text_of(300, seed=4), text_of(40, seed=5), text_of(700, seed=6)]  # the last is truncated
     results = {}
+    workers = []
+
+    def factory(name, directory, device, settings):
+        workers.append(HeldSteps(name, directory, device, threads=1))
+        return workers[-1]
 
     def stream(i):
         events = []
@@ -111,18 +136,21 @@ def test_summarize_streaming_and_joining_match_offline_greedy(server, offline):
                     events.append((name, json.loads(line[6:])))
         results[i] = events
 
-    def steps_with_more_than_one():
+    settings = Settings(models={"sum": tiny_summarize_dir}, threads=1, warmup=False)
+    with ThreadServer(settings, worker_factory=factory) as server:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        # the first request(s) begun and held at their first step, the others queued behind them
+        deadline = time.monotonic() + 30
+        while workers[0].encoded + metric(server.url, 'longdoc_queue_depth_requests{model="sum"}') < 3:
+            assert time.monotonic() < deadline, "the requests did not all arrive"
+            time.sleep(0.01)
+        workers[0].go.set()
+        for t in threads:
+            t.join(60)
         one = metric(server.url, 'longdoc_batch_size_bucket{le="1.0",model="sum"}')
-        return metric(server.url, 'longdoc_batch_size_count{model="sum"}') - one
-
-    before = steps_with_more_than_one()
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-    for i, t in enumerate(threads):  # staggered: later requests join a running decode batch
-        t.start()
-        time.sleep(0.02 * i)
-    for t in threads:
-        t.join(60)
-    assert steps_with_more_than_one() > before  # they did share decoder steps
+        assert metric(server.url, 'longdoc_batch_size_count{model="sum"}') > one  # they shared decoder steps
     for i, doc in enumerate(docs):
         events = results[i]
         tokens = [d["id"] for name, d in events if name == "token"]
@@ -300,7 +328,7 @@ def test_io_binding_decoder_matches_decoder_step(tiny_summarize_dir):
     m = host.model
     eos = m.manifest.special_tokens["eos"]
     docs = [m.tokenizer.encode(text_of(n, seed=n), add_special_tokens=False).ids + [eos] for n in (40, 25, 60)]
-    start = host.info.special_tokens.get("decoder_start") or 0
+    start = host.info.special_tokens["decoder_start"]
     a_host, a_dev = host.begin(docs[:2]), host.begin(docs[:2])
     c_host, c_dev = host.begin(docs[2:]), host.begin(docs[2:])
     tokens = {}  # id(host state) -> next token, greedy from the host logits

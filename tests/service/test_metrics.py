@@ -27,12 +27,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def sample(text: str, name: str, **labels) -> float:
-    """One sample of a /metrics body, as a scraper parses it."""
+def sample(text: str, name: str, missing: float | None = None, **labels) -> float:
+    """One sample of a /metrics body, as a scraper parses it (`missing`, if given, when absent)."""
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
+    if missing is not None:
+        return missing
     raise KeyError(f"{name} {labels} not in /metrics")
 
 
@@ -176,3 +178,64 @@ def test_ready_gauge_multiprocess_mode_is_the_minimum_over_processes(tmp_path):
     assert sample(process("ready"), "longdoc_ready") == 1.0
     assert sample(process("ready"), "longdoc_ready") == 1.0  # both ready
     assert sample(process("loading"), "longdoc_ready") == 0.0  # one is not
+
+
+class GatedSteps(FakeWorker):
+    """A summarizer whose decoder steps past a sequence's first token wait for `gate`: a stream
+    holds at its first token until the test opens the gate."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+
+    def step(self, states, tokens):
+        if any(s["length"] >= 1 for s in states):
+            assert self.gate.wait(10), "the test never opened the gate"
+        return super().step(states, tokens)
+
+
+def test_a_stream_is_measured_to_its_last_event():
+    """in_flight counts a stream until its last event; request and inference durations are
+    recorded then (not when the response object is returned after the first token), and the
+    inference time of a stream is not 0. A stream whose client goes away leaves in_flight too."""
+    from tests.service.conftest import ThreadServer
+
+    worker = GatedSteps(name="sum", task="summarize")
+    settings = Settings(models={"sum": "summarize"}, warmup=False)
+    labels = dict(model="sum", endpoint="summarize", length_bucket="le_8")
+    with ThreadServer(settings, worker_factory=lambda *args: worker) as server:
+        def scrape():
+            return httpx.get(server.url + "/metrics").text
+
+        def in_flight_after_the_stream():  # the server finishes a response after its last byte
+            deadline = time.monotonic() + 10
+            while sample(text := scrape(), "longdoc_in_flight_requests", endpoint="summarize") and \
+                    time.monotonic() < deadline:
+                time.sleep(0.01)
+            return text
+
+        with httpx.stream("POST", server.url + "/v1/summarize",
+                          json={"document": "w1 w2 w3 w4", "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+            during = scrape()  # the stream is at its first token, the next decoder step is held
+            worker.gate.set()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert '"summary": "w1 w2 w3 w4"' in rest[-1]
+        after = in_flight_after_the_stream()
+
+        worker.gate = threading.Event()
+        with httpx.stream("POST", server.url + "/v1/summarize",
+                          json={"document": "w1 w2 w3 w4", "stream": True}, timeout=30) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        worker.gate.set()  # the client is gone; the next event finds it gone
+        gone = in_flight_after_the_stream()
+    assert sample(during, "longdoc_in_flight_requests", endpoint="summarize") == 1
+    assert sample(during, "longdoc_request_duration_seconds_count", missing=0, **labels) == 0
+    assert sample(after, "longdoc_in_flight_requests", endpoint="summarize") == 0
+    assert sample(after, "longdoc_request_duration_seconds_count", **labels) == 1
+    assert sample(after, "longdoc_inference_duration_seconds_count", **labels) == 1
+    assert sample(after, "longdoc_inference_duration_seconds_sum", **labels) > 0
+    assert sample(after, "longdoc_request_duration_seconds_sum", **labels) >= \
+        sample(after, "longdoc_inference_duration_seconds_sum", **labels)
+    assert sample(gone, "longdoc_in_flight_requests", endpoint="summarize") == 0

@@ -243,21 +243,24 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
     return rows, predictions
 
 
-def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num_beams: int = 1,
+def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num_beams: int | None = None,
                        progress=None) -> tuple[list[dict], list[dict]]:
+    from export.generation import generate, generated_tokens, settings_for
+    from export.windows import summarize_window
+
     systems = {"lead": lead, "lead-description": lead_description}
     scores = {name: [] for name in ["model", *systems] if name != "model" or model is not None}
     predictions = []
     for n, r in enumerate(records):
         row = {"id": r.get("id", n)}
         if model is not None:
+            # the service's input window, search settings and output tokens
             tok, special = model.tokenizer, model.manifest.special_tokens
-            ids = tok.encode(r["document"], add_special_tokens=False).ids[: model.manifest.max_length - 1]
-            ids.append(special["eos"])
-            out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=max_new_tokens,
-                                 num_beams=num_beams)[0]
-            text = tok.decode([t for t in out if t not in (special.get("eos"), special.get("pad"),
-                                                          special.get("decoder_start"))])
+            doc = tok.encode(r["document"], add_special_tokens=False).ids
+            ids, _ = summarize_window(doc, model.manifest.max_length, special["eos"])
+            settings = settings_for(model.manifest, max_new_tokens=max_new_tokens, num_beams=num_beams)
+            out = generate(model, np.array([ids]), np.ones((1, len(ids)), np.int64), settings=settings)[0]
+            text = tok.decode(generated_tokens(out, settings))
             scores["model"].append(rouge_scores(text, r["summary"]))
             row["model"] = text
         for name, fn in systems.items():

@@ -17,6 +17,7 @@ from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weigh
                              build_pegasus_decoder, build_pegasus_encoder)
 from export.manifest import TASKS, Manifest
 from model.layout import checkpoint_attention_spec
+from model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -198,25 +199,17 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     return manifest
 
 
-GENERATION_KEYS = ("max_length", "num_beams", "length_penalty", "no_repeat_ngram_size", "early_stopping",
-                   "min_length", "forced_eos_token_id", "decoder_start_token_id")
+# the manifest's generation defaults; eos and pad come from its special tokens (export.generation)
+GENERATION_KEYS = tuple(k for k in GENERATION_FIELDS if k not in ("eos_token_id", "pad_token_id"))
 
 
 def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
-    """The generation settings of the checkpoint: generation_config.json where it has one
-    (transformers writes them there; a key it names wins, null = unset), else config.json
-    (older checkpoints)."""
-    path = Path(checkpoint_dir) / "generation_config.json"
-    generation = {}
-    if path.is_file():
-        try:
-            generation = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(generation, dict):
-            raise CheckpointError(f"{path}: not a JSON object")
-    merged = {**config, **generation}
-    return {key: merged[key] for key in GENERATION_KEYS if merged.get(key) is not None}
+    """The checkpoint's generation settings (`model.search.checkpoint_generation_defaults`)."""
+    try:
+        defaults = checkpoint_generation_defaults(checkpoint_dir, config)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    return {k: v for k, v in defaults.items() if k in GENERATION_KEYS}
 
 
 def _default_arch(task: str) -> str:

@@ -108,6 +108,13 @@ def best_spans(
     return ranked[:top_k]
 
 
+def summarize_window(doc_ids, max_length: int, eos: int) -> tuple[list[int], bool]:
+    """The encoder input of a summary: the document's first max_length - 1 tokens and eos (one
+    window: the encoder reads no further), and whether the document was cut."""
+    keep = max_length - 1
+    return [*doc_ids[:keep], eos], len(doc_ids) > keep
+
+
 def classify_windows(doc_ids, max_length: int, stride: int | None, cls: int, sep: int) -> list[tuple[int, ...]]:
     room = max_length - 2
     return [(cls, *doc_ids[a:b], sep) for a, b in window_spans(len(doc_ids), room, stride or room)]

@@ -19,6 +19,7 @@ construct arbitrary objects (no code from the file runs); a result that is not a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from model.search import checkpoint_generation_defaults
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -85,6 +88,11 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
         raise LoadError(f"checkpoint directory {str(d)!r} does not exist or is not a directory")
     cfg_dict = read_config(d)
     cls, cfg_cls, arch = resolve_class(cfg_dict, architecture)
+    if "forced_eos_token_id" in {f.name for f in dataclasses.fields(cfg_cls)}:  # an encoder-decoder
+        try:  # generation_config.json over config.json, as the exporter reads them
+            cfg_dict = {**cfg_dict, **checkpoint_generation_defaults(d, cfg_dict)}
+        except ValueError as e:
+            raise LoadError(str(e)) from None
     try:
         config = cfg_cls.from_dict(cfg_dict)
     except (TypeError, ValueError) as e:

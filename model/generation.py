@@ -21,10 +21,7 @@ import numpy as np
 import torch
 
 from model import search
-from model.search import GenerationStopped, SearchSettings, banned_ngram_tokens  # noqa: F401 (public names)
-
-GENERATION_FIELDS = ("max_length", "num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size",
-                     "min_length", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+from model.search import GENERATION_FIELDS, GenerationStopped, SearchSettings, banned_ngram_tokens  # noqa: F401
 
 
 def _to_numpy(x: torch.Tensor) -> np.ndarray:

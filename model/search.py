@@ -69,6 +69,33 @@ class SearchSettings:
     forced_eos_token_ids: tuple[int, ...] = ()  # forced at the last position when set
 
 
+# a model's generation fields under transformers' names (config.json, generation_config.json)
+GENERATION_FIELDS = ("max_length", "num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size",
+                     "min_length", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def checkpoint_generation_defaults(directory, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation defaults of a checkpoint directory: its generation_config.json (transformers
+    writes them there today; a key it names wins, null = unset) over its `config` (config.json,
+    older checkpoints). Only GENERATION_FIELDS, unset ones left out. The exporter (into the
+    manifest) and the PyTorch reference (`model.load_pretrained`) both read them here."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / GENERATION_CONFIG_NAME
+    generation = {}
+    if path.is_file():
+        try:
+            generation = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(generation, dict):
+            raise ValueError(f"{path}: not a JSON object")
+    merged = {**config, **generation}
+    return {key: merged[key] for key in GENERATION_FIELDS if merged.get(key) is not None}
+
+
 def _ids(x) -> tuple[int, ...]:
     if x is None:
         return ()

@@ -202,12 +202,11 @@ def _prepare_classify(info: ModelInfo, job: ClassifyJob, stride: int | None, lim
 
 
 def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
-    eos = int(info.special_tokens["eos"])
     out = []
     for doc in job.common.documents:
         ids, _ = _encode(info, doc, limit)
-        keep = info.max_length - 1
-        out.append((list(ids[:keep]) + [eos], len(ids), len(ids) > keep))
+        window, truncated = W.summarize_window(ids, info.max_length, int(info.special_tokens["eos"]))
+        out.append((window, len(ids), truncated))
     return out
 
 

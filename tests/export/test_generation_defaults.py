@@ -68,3 +68,19 @@ def test_exported_generation_defaults_generate_what_transformers_generates(check
                                    no_repeat_ngram_size=0, length_penalty=1.0)[0]
             differs_without_options += plain != got
     assert differs_without_options >= 2  # the options changed the answers (the test can fail)
+
+
+def test_pytorch_reference_reads_generation_config_json(checkpoint_and_model):
+    """`verify --against model` compares with a PyTorch model that has the same defaults."""
+    import model
+
+    checkpoint, onnx_model = checkpoint_and_model
+    reference = model.load_pretrained(checkpoint, plan="hf-eval")
+    for key, value in TINY_GENERATION.items():
+        assert getattr(reference.config, key) == value, key
+    ids = np.random.default_rng(1).integers(7, 300, (1, 60)).astype(np.int64)
+    ids[0, -1] = EOS
+    torch = pytest.importorskip("torch")
+    for num_beams in (1, 3):
+        ours = reference.generate(torch.from_numpy(ids), num_beams=num_beams, max_new_tokens=12)[0].tolist()
+        assert cut(onnx_model.generate(ids, num_beams=num_beams, max_new_tokens=12)[0]) == cut(ours)

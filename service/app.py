@@ -92,7 +92,8 @@ class Service:
             for i, device in enumerate(s.devices):
                 factory = lambda name=name, directory=directory, device=device: self._load(name, directory, device)  # noqa: E731
                 worker = await asyncio.to_thread(factory)
-                slots.append(WorkerSlot(factory, worker, i))
+                slots.append(WorkerSlot(factory, worker, i, s.worker_restart_backoff_s,
+                                        s.worker_restart_max_backoff_s))
             info = slots[0].worker.info
             if info.task not in TASKS:
                 raise ValueError(f"model {name}: task {info.task!r} is not served (serving {', '.join(TASKS)})")
@@ -102,7 +103,7 @@ class Service:
                 sp = info.special_tokens
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
                                          eos=int(sp["eos"]), decoder_start=int(sp.get("decoder_start") or 0),
-                                         restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
+                                         small_share=s.small_request_share, endpoint=info.task)
                 devices = [s.devices[0]]
             else:
                 policy = BatchingPolicy(
@@ -114,7 +115,7 @@ class Service:
                 )
                 engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
                                         pad_id=int(info.special_tokens.get("pad") or 0),
-                                        restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
+                                        small_share=s.small_request_share, endpoint=info.task)
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))

@@ -19,6 +19,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -140,3 +141,54 @@ class BatchingPolicy:
         for e in take:
             self._remove(e)
         return Batch(tuple(take), chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# admission: what a model's queue accepts (docs/service.md, "Admission and fairness")
+
+
+@dataclass(frozen=True)
+class QueueBudget:
+    """A request is charged its whole token cost (every window of every document) before it is
+    accepted, and the last `small_share` of the budget is kept for small requests:
+
+    - cost > max_request_tokens (the budget less the reserve): 413, it can never be admitted;
+    - a large request (cost > reserve) is admitted while `queued + cost <= max_request_tokens`;
+    - a small request (cost <= reserve) is admitted while `queued + cost <= max_tokens`.
+
+    So one large request can never fill the queue: small requests always find the reserve."""
+
+    max_tokens: int
+    small_share: float = 0.25
+
+    @property
+    def reserve(self) -> int:
+        return int(self.max_tokens * self.small_share)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.max_tokens - self.reserve
+
+    def excess(self, queued: int, cost: int) -> int:
+        """Queued tokens that must drain before a request of `cost` is admitted (0: admit now).
+        The caller checks `cost <= max_request_tokens` first."""
+        limit = self.max_tokens if cost <= self.reserve else self.max_request_tokens
+        return max(0, queued + cost - limit)
+
+
+class DrainRate:
+    """Tokens leaving a queue per second (moving average), to turn queued tokens into seconds."""
+
+    def __init__(self):
+        self.tokens_per_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+
+    def retry_after(self, tokens: int) -> int:
+        """Whole seconds until `tokens` more have drained, in [1, 60]; 60 while nothing has been
+        measured (a cold model's throughput is unknown)."""
+        if not self.tokens_per_s:
+            return 60
+        return max(1, min(60, math.ceil(tokens / self.tokens_per_s)))

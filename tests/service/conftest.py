@@ -16,18 +16,47 @@ from service.settings import Settings
 from service.workers import FakeWorker
 
 
-def fake_factory(**per_task):
-    """A worker factory: model name -> FakeWorker(task=name's task, **per_task[task])."""
+class GatedWorker(FakeWorker):
+    """A FakeWorker whose run/step/generate first wait for `gate` (a threading.Event), so a test
+    decides when work proceeds; `entered` is set once a call is waiting at the gate."""
+
+    def __init__(self, *, gate: threading.Event, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def _wait(self):
+        self.entered.set()
+        assert self.gate.wait(30), "gate never opened"
+
+    def run(self, batch):
+        self._wait()
+        return super().run(batch)
+
+    def step(self, states, tokens):
+        self._wait()
+        return super().step(states, tokens)
+
+
+def fake_factory(restarts_fail: bool = False, **per_task):
+    """A worker factory: model name -> FakeWorker(task=name's task, **per_task[task]); a `gate`
+    in per_task[task] makes it a GatedWorker. A restart (second worker of a name) does not fail,
+    or, with `restarts_fail`, raises."""
     made = []
 
     def factory(name, directory, device, settings):
         task = str(directory)  # tests pass the task as the "directory"
         kwargs = dict(per_task.get(task, {}))
-        if any(m.info.name == name for m in made):  # a restart: the new worker does not fail
+        if any(m.info.name == name for m in made):  # a restart
+            factory.restarts += 1
+            if restarts_fail:
+                raise RuntimeError("fake restart failure")
             kwargs.pop("fail_runs", None)
-        w = FakeWorker(name=name, task=task, **kwargs)
+        w = (GatedWorker if "gate" in kwargs else FakeWorker)(name=name, task=task, **kwargs)
         made.append(w)
         return w
+
+    factory.restarts = 0
 
     factory.made = made
     return factory

@@ -30,8 +30,8 @@ from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings
 from service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
-    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
-    validate_summarize,
+    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens, validate_classify,
+    validate_qa, validate_summarize,
 )
 from service.workers import GenerateParams, ModelInfo, Worker, onnx_worker_factory
 
@@ -77,6 +77,7 @@ class Service:
         self.models: dict[str, ServedModel] = {}
         self.defaults: dict[str, str] = {}
         self.tokenizer_pool: ThreadPoolExecutor | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.draining = False
         self.drain_deadline = float("inf")
@@ -86,6 +87,7 @@ class Service:
 
     async def start(self) -> None:
         s = self.settings
+        self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=s.tokenizer_threads, thread_name_prefix="tokenize")
         for name, directory in s.models.items():
             slots = []
@@ -171,15 +173,18 @@ class Service:
 # tokenization + windows (run in the tokenizer pool)
 
 
-def _encode(info: ModelInfo, text: str, limit: int):
-    enc = info.tokenizer.encode(text, add_special_tokens=False)
-    if len(enc.ids) > limit:
-        raise TooLarge(f"document has {len(enc.ids)} tokens; the limit is {limit} tokens")
+def _encode(info: ModelInfo, text: str, limit: int, what: str = "document"):
+    # encode_batch releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB document, and
+    # every thread, the event loop included, waits); the token count is checked before the ids and
+    # offsets become Python lists
+    enc = info.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    if len(enc) > limit:
+        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
     return enc.ids, enc.offsets
 
 
 def _prepare_qa(info: ModelInfo, job: QAJob, stride: int | None, limit: int):
-    q = info.tokenizer.encode(job.question, add_special_tokens=False).ids
+    q, _ = _encode(info, job.question, limit, "question")
     room = info.max_length - len(q) - 3
     if room < max(1, info.max_length // 4):  # the document needs room in each window
         raise InvalidRequest(
@@ -227,9 +232,10 @@ _ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 
 class BodyLimitMiddleware:
     """Before any parsing: POST bodies must be JSON and at most `max_bytes` (413 otherwise)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, max_json_tokens: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_tokens = max_json_tokens
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -261,6 +267,11 @@ class BodyLimitMiddleware:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return await _error(InvalidRequest(f"body is not valid UTF-8 (byte {exc.start})"))(scope, receive, send)
+        try:  # before any parse, in chunks: the event loop runs between them
+            for _ in scan_json_tokens(body, self.max_json_tokens):
+                await asyncio.sleep(0)
+        except ServiceError as exc:
+            return await _error(exc)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -291,7 +302,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                   description="Question answering, summarization and classification over long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
-    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    # a request's strings and separators: its fields (a dozen keys and values) and documents
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs

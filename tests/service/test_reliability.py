@@ -3,6 +3,7 @@ model whose worker is down, shutdown, beam-search streaming, and an event loop t
 inputs cannot freeze. Fake workers in-process unless the behaviour needs a real server."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -150,3 +151,70 @@ def test_shutdown_with_nothing_in_flight_does_not_wait_for_a_failing_restart():
         return time.monotonic() - t  # the lifespan's shutdown
 
     assert run(go()) < 3  # not the whole 10 s grace
+
+
+# ---- an event loop that large inputs cannot freeze (item 2)
+
+
+def test_json_token_scan_is_exact_across_chunk_edges():
+    from service.errors import TooLarge
+    from service.validation import scan_json_tokens
+
+    body = b'{"a\\\\": "x,y\\"z:[{", "b": [1,2]}'  # 9: { "a\\" : "x,y\"z:[{" , "b" : [ ,
+    for chunk in (1, 2, 3, 5, 1 << 18):
+        list(scan_json_tokens(body, 9, chunk=chunk))
+        with pytest.raises(TooLarge):
+            list(scan_json_tokens(body, 8, chunk=chunk))
+    list(scan_json_tokens(b'"' + b'\\"' * 1000, 1, chunk=7))  # unterminated: one string, linear
+
+
+@pytest.fixture(scope="module")
+def classify_server():
+    from service.settings import Settings
+    from tests.service.conftest import ThreadServer
+
+    with ThreadServer(Settings(models={"cls": "classify"}, warmup=False), fake_factory()) as s:
+        yield s
+
+
+def livez_while(server, path: str, body: bytes):
+    """POST `body` from a thread; probe /livez every 20 ms until it is answered. Returns the
+    response, the slowest probe (seconds) and the number of probes."""
+    import httpx
+
+    box, done = {}, threading.Event()
+
+    def post():
+        try:
+            box["r"] = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"},
+                                  timeout=60)
+        finally:
+            done.set()
+
+    worst, probes = 0.0, 0
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        threading.Thread(target=post).start()
+        while not done.wait(0.02):  # pacing, not ordering: the probes sample the request's lifetime
+            start = time.monotonic()
+            assert client.get("/livez").status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            probes += 1
+    return box["r"], worst, probes
+
+
+def test_livez_answers_within_02_s_while_a_2mb_document_is_tokenized_and_rejected(classify_server):
+    doc = filler(440_000)  # 1.94 MB, 440k tokens: within the byte limit, 413 on tokens
+    assert len(doc.encode()) < 2_000_000
+    body = json.dumps({"document": doc}).encode()  # encoded here: the client thread holds no GIL for it
+    r, worst, probes = livez_while(classify_server, "/v1/classify", body)
+    assert r.status_code == 413 and "440000 tokens" in r.json()["error"]["message"], r.text
+    assert worst < 0.2, f"/livez took {worst:.3f} s"
+    assert probes >= 3  # /livez was asked while the document was being processed
+
+
+def test_a_body_of_500k_keys_is_refused_before_parsing(classify_server):
+    body = json.dumps({f"k{i}": 1 for i in range(500_000)}).encode()
+    r, worst, _ = livez_while(classify_server, "/v1/classify", body)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "too_large", r.text
+    assert "JSON strings and separators" in r.json()["error"]["message"]
+    assert worst < 0.2, f"/livez took {worst:.3f} s"

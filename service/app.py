@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service import windows as W
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
-from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
+from service.errors import (
+    InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, TooLarge, Unavailable, UnsupportedMediaType,
+)
 from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings
 from service.validation import (
@@ -81,6 +83,7 @@ class Service:
         self.ready = False
         self.draining = False
         self.drain_deadline = float("inf")
+        self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
         self.metrics.track_readiness(self.is_ready)  # longdoc_ready answers what /readyz answers
@@ -133,11 +136,18 @@ class Service:
         return worker
 
     def begin_drain(self) -> None:
-        """Shutdown begins (SIGTERM): not ready, no new requests; the grace period starts now."""
+        """Shutdown begins (SIGTERM; called from the signal handler): not ready, no new requests;
+        the grace period starts now, and when it is over every request still running is answered
+        503 shutting_down by `serve` (streams get `event: error`)."""
         if not self.draining:
             self.draining = True
             self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
             self.metrics.refresh_ready()
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self._arm_drain_timer)
+
+    def _arm_drain_timer(self) -> None:
+        self.loop.call_later(max(0.0, self.drain_deadline - time.monotonic()), self.drain_expired.set)
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -337,11 +347,12 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         timing = Timing()
         m = service.metrics
         if service.draining:
-            m.failures.labels(endpoint, "unavailable").inc()
-            return _error(Unavailable("server is shutting down"))
+            m.failures.labels(endpoint, ShuttingDown.reason).inc()
+            return _error(ShuttingDown("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
+        grace_over = asyncio.ensure_future(service.drain_expired.wait())
 
         async def watch_disconnect():
             while True:
@@ -351,11 +362,16 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:  # the client went away: its queued/running work stops
+            done, _ = await asyncio.wait({task, watcher, grace_over}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:  # its queued/running work stops
                 state.cancelled = True
                 task.cancel()
-                m.failures.labels(endpoint, "cancelled").inc()
+                if watcher not in done:  # the shutdown grace is over: answer before uvicorn gives up
+                    m.failures.labels(endpoint, ShuttingDown.reason).inc()
+                    return _error(ShuttingDown(
+                        f"server is shutting down; the request did not finish within the "
+                        f"{settings.shutdown_grace_s:g} s grace period; retry"))
+                m.failures.labels(endpoint, "cancelled").inc()  # the client went away
                 return Response(status_code=499)
             try:
                 response, model, n_tokens = task.result()
@@ -379,6 +395,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             return response
         finally:
             watcher.cancel()
+            grace_over.cancel()
             m.in_flight.labels(endpoint).dec()
 
     # ---- QA
@@ -469,14 +486,15 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             n_tokens = sum(p[1] for p in prepared)
             if job.stream:
                 it = streams[0].__aiter__()
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    first = None
+                head = []
+                if params.num_beams == 1:  # greedy: the first token is one step away; errors before it keep their status
+                    first = await anext(it, None)
+                    head = [] if first is None else [first]
+                # beam search yields only when all beams are done: headers now, keep-alives meanwhile
                 timing.queue = time.monotonic() - t
                 ids, n, truncated = prepared[0]
                 return StreamingResponse(
-                    _sse(it, first, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
+                    _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
                     media_type="text/event-stream", headers={"cache-control": "no-store"},
                 ), model, n_tokens
             generated = await asyncio.gather(*(_collect(s) for s in streams))
@@ -521,20 +539,37 @@ async def _collect(stream) -> list[int]:
     return [t async for t in stream]
 
 
-async def _sse(it, first, tokenizer, usage: dict, service: Service, model: ServedModel):
+async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel):
+    """Server-sent events: `token` per token (`head` were already taken from `it`), then `done`;
+    `error` on failure or when the shutdown grace runs out; a `: keep-alive` comment after every
+    `stream_keepalive_s` without a token (a beam search sends nothing until it ends), which also
+    finds a client that went away (the write fails) so that the search stops."""
     ids: list[int] = []
     text = ""
+    grace_over = asyncio.ensure_future(service.drain_expired.wait())
+    pending = None  # the next item of `it`, being awaited
     try:
-        item = first
-        while item is not None:
+        items = iter(head)
+        while True:
+            item = next(items, None)
+            if item is None:
+                pending = pending or asyncio.ensure_future(anext(it, None))
+                done, _ = await asyncio.wait({pending, grace_over}, timeout=service.settings.stream_keepalive_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if pending in done:
+                    item, pending = pending.result(), None
+                    if item is None:
+                        break
+                elif grace_over in done:
+                    raise ShuttingDown("server is shutting down; the stream did not finish within the "
+                                       f"{service.settings.shutdown_grace_s:g} s grace period")
+                else:
+                    yield ": keep-alive\n\n"
+                    continue
             ids.append(item)
             new = tokenizer.decode(ids)
             delta, text = new[len(text):], new
             yield f"event: token\ndata: {json.dumps({'id': item, 'text': delta})}\n\n"
-            try:
-                item = await it.__anext__()
-            except StopAsyncIteration:
-                item = None
         result = {"summary": tokenizer.decode(ids), "generated_tokens": len(ids), "usage": usage}
         yield f"event: done\ndata: {json.dumps({'model': model.info.name, 'results': [result]})}\n\n"
     except ServiceError as exc:
@@ -544,4 +579,8 @@ async def _sse(it, first, tokenizer, usage: dict, service: Service, model: Serve
         service.metrics.failures.labels("summarize", "cancelled").inc()
         raise
     finally:
+        grace_over.cancel()
+        if pending is not None:  # let it finish being cancelled before closing the generator under it
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
         await it.aclose()  # leaves the decoding batch at the next step

@@ -58,6 +58,7 @@ class Settings(BaseSettings):
     warmup: bool = True  # run each worker once at the maximum length before /readyz says yes
     shutdown_grace_s: float = Field(30.0, ge=0)
     worker_restart_backoff_s: float = Field(0.5, ge=0)
+    stream_keepalive_s: float = Field(15.0, gt=0, description="SSE comment after this long without a token")
     worker_restart_max_backoff_s: float = Field(10.0, ge=0, description="restart back-off doubles up to this")
 
     @field_validator("devices")

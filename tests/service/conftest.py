@@ -4,7 +4,10 @@ transport with the app's lifespan running."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -102,3 +105,35 @@ class ThreadServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class ServeProcess:
+    """A real `python -m longdoc serve` subprocess on a free loopback port (LONGDOC_THREADS=1 and
+    `env` added to the environment), its output in `log_path`; entered once /readyz says ready, killed on exit if still running."""
+
+    def __init__(self, args: list[str], log_path, env: dict[str, str] | None = None):
+        self.env = dict(os.environ, LONGDOC_THREADS="1", **(env or {}))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "longdoc", "serve", "--port", str(self.port), "--log-level", "warning",
+                     *args]
+        self.log_path = log_path
+
+    def __enter__(self):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.log_path.read_text()
+            time.sleep(0.1)
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -218,3 +218,79 @@ def test_a_body_of_500k_keys_is_refused_before_parsing(classify_server):
     assert r.status_code == 413 and r.json()["error"]["type"] == "too_large", r.text
     assert "JSON strings and separators" in r.json()["error"]["message"]
     assert worst < 0.2, f"/livez took {worst:.3f} s"
+
+
+# ---- shutdown under load (item 1)
+
+
+def sse_events(response) -> list[tuple[str, dict]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_dir, tiny_summarize_dir, tmp_path):
+    """8 QA requests of 8 x 3000 tokens (seconds of work) and 12 streamed summaries decoding one
+    at a time; SIGTERM with a 1.5 s grace: what finishes gets 200, the rest 503 shutting_down (a
+    running stream: `event: error`), never the HTTP server's plain-text 500; then exit 0."""
+    import signal
+
+    import httpx
+
+    from tests.service.conftest import ServeProcess
+    from tests.service.test_e2e import metric, text_of
+
+    args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
+            "--shutdown-grace-s", "1.5", "--max-queue-tokens", "100000000"]
+    with ServeProcess(args, tmp_path / "serve.log", env={"LONGDOC_MAX_DECODE_BATCH": "1"}) as s:
+        docs = [text_of(3000, seed=i) for i in range(8)]
+        qa, streams = {}, {}
+
+        def ask(i):
+            qa[i] = httpx.post(s.url + "/v1/qa", json={"question": "where is the gold", "documents": docs},
+                               timeout=60)
+
+        def summarize(i):
+            with httpx.stream("POST", s.url + "/v1/summarize", timeout=60,
+                              json={"document": text_of(400, seed=i), "stream": True, "max_new_tokens": 500}) as r:
+                streams[i] = (r.status_code, r.headers["content-type"],
+                              sse_events(r) if r.status_code == 200 else json.loads(r.read()))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        threads += [threading.Thread(target=summarize, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while (metric(s.url, 'longdoc_in_flight_requests{endpoint="qa"}') < 8
+               or metric(s.url, 'longdoc_in_flight_requests{endpoint="summarize"}') < 10):
+            assert time.monotonic() < deadline, "requests did not get in flight"
+            time.sleep(0.02)
+        sent = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert s.proc.wait(30) == 0
+        exited = time.monotonic() - sent
+
+    codes = [r.status_code for r in qa.values()]
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    for r in qa.values():
+        if r.status_code == 503:
+            assert r.json()["error"]["type"] == "shutting_down", r.text
+    cut = 0
+    for status, ctype, body in streams.values():
+        if status == 503:  # still queued when the grace ran out: no headers were sent yet
+            assert ctype == "application/json" and body["error"]["type"] == "shutting_down", body
+            continue
+        assert status == 200 and ctype.startswith("text/event-stream")
+        last, data = body[-1]
+        assert last in ("done", "error"), body[-3:]  # never cut off without either
+        if last == "error":
+            assert data["error"]["type"] == "shutting_down", data
+            cut += 1
+    assert cut >= 1  # the stream decoding at the end of the grace got `event: error`
+    assert exited < 1.5 + 4, exited

@@ -223,9 +223,10 @@ def test_a_body_of_500k_keys_is_refused_before_parsing(classify_server):
 # ---- shutdown under load (item 1)
 
 
-def sse_events(response) -> list[tuple[str, dict]]:
+def sse_events(lines) -> list[tuple[str, dict]]:
+    """(event name, data) of server-sent event lines (comments skipped)."""
     events, name = [], None
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("event: "):
             name = line[7:]
         elif line.startswith("data: "):
@@ -258,7 +259,7 @@ def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_d
             with httpx.stream("POST", s.url + "/v1/summarize", timeout=60,
                               json={"document": text_of(400, seed=i), "stream": True, "max_new_tokens": 500}) as r:
                 streams[i] = (r.status_code, r.headers["content-type"],
-                              sse_events(r) if r.status_code == 200 else json.loads(r.read()))
+                              sse_events(r.iter_lines()) if r.status_code == 200 else json.loads(r.read()))
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
         threads += [threading.Thread(target=summarize, args=(i,)) for i in range(12)]
@@ -294,3 +295,61 @@ def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_d
             cut += 1
     assert cut >= 1  # the stream decoding at the end of the grace got `event: error`
     assert exited < 1.5 + 4, exited
+
+
+# ---- a streamed beam search (item 7)
+
+
+@pytest.fixture
+def beam_server():
+    """A summarizer whose decoder steps wait at `gate`; keep-alive comments every 50 ms."""
+    from service.settings import Settings
+    from tests.service.conftest import ThreadServer
+
+    gate = threading.Event()
+    factory = fake_factory(summarize={"gate": gate, "summary_tokens": 1000})
+    settings = Settings(models={"sum": "summarize"}, warmup=False, stream_keepalive_s=0.05)
+    with ThreadServer(settings, factory) as s:
+        s.gate, s.worker = gate, factory.made[0]
+        yield s
+        gate.set()
+
+
+def test_streamed_beam_search_sends_headers_and_keep_alives_at_once(beam_server):
+    import httpx
+
+    s = beam_server
+    with httpx.stream("POST", s.url + "/v1/summarize", timeout=5,
+                      json={"document": "w1 w2 w3", "stream": True, "num_beams": 3}) as r:
+        # the search is held at the gate: headers and keep-alive comments come anyway
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        keep_alives = 0
+        while keep_alives < 2:
+            line = next(lines)
+            assert line in (": keep-alive", ""), line
+            keep_alives += line == ": keep-alive"
+        s.gate.set()
+        events = sse_events(lines)
+    assert [name for name, _ in events] == ["token"] * 3 + ["done"]
+    assert events[-1][1]["results"][0]["summary"] == "w1 w2 w3"
+
+
+def test_a_client_gone_during_a_streamed_beam_search_stops_it(beam_server):
+    import httpx
+
+    from tests.service.test_e2e import metric
+
+    s = beam_server
+    key = 'longdoc_request_failures_total{endpoint="summarize",reason="cancelled"}'
+    with httpx.stream("POST", s.url + "/v1/summarize", timeout=5,
+                      json={"document": filler(100), "stream": True, "num_beams": 2, "max_new_tokens": 60}) as r:
+        assert next(r.iter_lines()) == ": keep-alive"  # then hang up while the beams are held
+    deadline = time.monotonic() + 10
+    while metric(s.url, key) < 1:  # a keep-alive write found the client gone
+        assert time.monotonic() < deadline, "the stream did not notice the client leaving"
+        time.sleep(0.02)
+    s.gate.set()
+    after = httpx.post(s.url + "/v1/summarize", json={"document": "w1"}, timeout=10)  # runs after the beam search
+    assert after.status_code == 200
+    assert len(s.worker.steps) < 10  # stopped between steps, not decoded to 60 tokens

@@ -193,7 +193,8 @@ class EncoderBatcher:
         now = time.monotonic()
         seqs = [Sequence(ids, types, request, loop.create_future(), enqueued=now) for ids, types in sequences]
         for s in seqs:
-            self.policy.append(Entry(len(s.input_ids), now, s, lambda s=s: s.future.done() or request.is_done()))
+            self.policy.append(Entry(len(s.input_ids), now, s, lambda s=s: s.future.done() or request.is_done(),
+                                     owner=request))
         self._gauges()
         self._wake.set()
         try:

@@ -10,9 +10,14 @@ Rules, in order:
 - A batch never costs more than the token budget nor holds more than `max_batch_size` sequences.
   The one exception is a single sequence whose bucket alone exceeds the budget: it runs alone
   (refusing it would starve it; the caller bounds sequence length separately).
-- FIFO fairness across buckets: once the oldest queued sequence has waited `max_wait_s`, the next
-  batch is taken from its bucket and starts with it. Before that, a bucket that can fill a whole
-  batch may go first. So no sequence waits longer than `max_wait_s` plus the batches already ready.
+- Fairness across buckets: once the oldest queued sequence has waited `max_wait_s`, the next
+  batch is taken from the bucket of a *head* sequence and starts with it. Before that, a bucket
+  that can fill a whole batch may go first.
+- Fairness between requests (an entry's `owner`): the head alternates between the oldest
+  sequence (FIFO) and the oldest sequence of the request served the fewest tokens so far. So a
+  small request queued behind a large one runs its windows every other batch instead of after
+  all of the large one's, and the large one still gets at least every other batch. Entries
+  without an owner share one (plain FIFO).
 - Cancelled sequences (client gone, deadline passed) are dropped when met and handed back through
   `drop_cancelled`, never batched.
 """
@@ -33,6 +38,7 @@ class Entry:
     arrival: float  # seconds, the caller's clock
     payload: Any = None
     is_cancelled: Callable[[], bool] = field(default=lambda: False, repr=False)
+    owner: Any = None  # the request it belongs to (fairness between requests)
     seq: int = -1  # arrival order, set by append
 
 
@@ -63,6 +69,8 @@ class BatchingPolicy:
         self._next_seq = 0
         self._cancelled: list[Entry] = []
         self.queued_tokens = 0
+        self._owners: dict[Any, list[int]] = {}  # owner -> [queued entries, tokens served so far]
+        self._fifo_turn = True  # whose turn the next released head is: FIFO, or least served
 
     def bucket_of(self, length: int) -> int:
         return max(1, -(-length // self.bucket_size)) * self.bucket_size
@@ -78,10 +86,24 @@ class BatchingPolicy:
         self._buckets.setdefault(self.bucket_of(entry.length), deque()).append(entry)
         self._order[entry.seq] = entry
         self.queued_tokens += entry.length
+        self._owners.setdefault(entry.owner, [0, 0])[0] += 1
 
     def _remove(self, entry: Entry) -> None:
         del self._order[entry.seq]
         self.queued_tokens -= entry.length
+        owner = self._owners[entry.owner]
+        owner[0] -= 1
+        if not owner[0]:  # forgotten once it has nothing queued
+            del self._owners[entry.owner]
+
+    def _head(self) -> Entry:
+        """The sequence the next released batch starts with (see the module's rules)."""
+        oldest = next(iter(self._order.values()))
+        fifo, self._fifo_turn = self._fifo_turn, not self._fifo_turn
+        if fifo or len(self._owners) == 1:
+            return oldest
+        least = min(self._owners, key=lambda o: self._owners[o][1])
+        return next(e for e in self._order.values() if e.owner == least)
 
     def _prune(self) -> None:
         """Move cancelled entries out of the queue (they come back from drop_cancelled)."""
@@ -122,9 +144,12 @@ class BatchingPolicy:
         if not self._order:
             return None
         oldest = next(iter(self._order.values()))
-        head_bucket = self.bucket_of(oldest.length)
         if force or now - oldest.arrival >= self.max_wait_s:
-            chosen = head_bucket
+            head = self._head()
+            chosen = self.bucket_of(head.length)
+            entries = self._buckets[chosen]
+            entries.remove(head)
+            entries.appendleft(head)  # the batch starts with the head, then FIFO in its bucket
         else:  # a full bucket may go before the head's wait runs out; oldest full bucket first
             full = [
                 (entries[0].seq, b)
@@ -139,6 +164,7 @@ class BatchingPolicy:
         if not entries:
             del self._buckets[chosen]
         for e in take:
+            self._owners[e.owner][1] += e.length
             self._remove(e)
         return Batch(tuple(take), chosen)
 

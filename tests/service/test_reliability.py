@@ -64,7 +64,7 @@ def test_a_request_over_the_queue_budget_gets_413_not_a_lockout():
     assert small.status_code == 200
 
 
-def test_small_requests_keep_a_share_of_the_queue_while_a_large_one_waits():
+def test_small_requests_keep_a_share_of_the_queue_and_of_the_batches():
     gate = threading.Event()
     factory = fake_factory(qa={"gate": gate})
 
@@ -79,6 +79,8 @@ def test_small_requests_keep_a_share_of_the_queue_while_a_large_one_waits():
             small = asyncio.ensure_future(c.post("/v1/qa", json={"question": "q", "document": filler(100) + " gold"}))
             await until(lambda: engine.policy.queued_tokens > queued, "small queued")
             gate.set()
+            first, _ = await asyncio.wait({large, small}, return_when=asyncio.FIRST_COMPLETED)
+            assert small in first  # its windows ran between the large one's, not after them all
             return queued, second_large, await large, await small
 
     queued, second_large, large, small = run(go())

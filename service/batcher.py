@@ -366,7 +366,7 @@ class DecodeScheduler:
         self.max_decode_batch = max_decode_batch
         self.budget = QueueBudget(max_queue_tokens, small_share)
         self.rate = DrainRate()  # tokens leaving `pending` per second, for Retry-After
-        self._drain_mark = 0.0  # since when `pending` has been non-empty or last drained
+        self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.eos = eos
         self.decoder_start = decoder_start
         self.pending: list[DecodeJob] = []
@@ -389,8 +389,6 @@ class DecodeScheduler:
         if not self.slot.healthy:
             raise worker_down(self.model, self.slots)
         admit(self.model, self.budget, self.rate, self._queued_tokens(), len(input_ids))
-        if not self.pending:
-            self._drain_mark = time.monotonic()
         job = DecodeJob(list(input_ids), params, request, asyncio.Queue(), time.monotonic())
         self.pending.append(job)
         self._gauges()
@@ -419,9 +417,13 @@ class DecodeScheduler:
         self.metrics.queue_tokens.labels(self.model).set(self._queued_tokens())
 
     def _left_queue(self, tokens: int) -> None:
+        """Jobs left `pending` for the decoding batch. The time between two departures measures
+        the drain rate only when jobs were waiting all along (a backlog drains at the decoder's
+        pace; a job that arrives at an idle queue leaves at once and says nothing)."""
         now = time.monotonic()
-        self.rate.observe(tokens, now - self._drain_mark)
-        self._drain_mark = now
+        if self._drain_mark is not None:
+            self.rate.observe(tokens, now - self._drain_mark)
+        self._drain_mark = now if self.pending else None
         self._gauges()
 
     def _finish(self, job: DecodeJob, item) -> None:

@@ -4,6 +4,7 @@ inputs cannot freeze. Fake workers in-process unless the behaviour needs a real 
 
 import asyncio
 import json
+import math
 import threading
 import time
 
@@ -89,6 +90,31 @@ def test_small_requests_keep_a_share_of_the_queue_and_of_the_batches():
     assert int(second_large.headers["retry-after"]) >= 1
     assert large.status_code == 200 and small.status_code == 200
     assert small.json()["results"][0]["answers"][0]["text"] == "gold"
+
+
+def test_summarize_retry_after_is_the_measured_wait():
+    """Decoding one sequence at a time, 1 s each (4 steps of 0.25 s): once the queue's drain rate
+    is measured, a request is told the time for the tokens it needs to drain first, not 1 s."""
+    factory = fake_factory(summarize={"delay_s": 0.25, "summary_tokens": 3})
+
+    async def go():
+        async with running_app(factory, models={"sum": "summarize"}, max_decode_batch=1, max_queue_tokens=100,
+                               shutdown_grace_s=0, warmup=False) as c:
+            engine = c.app.state.service.models["sum"].engine
+            waiting = [asyncio.ensure_future(c.post("/v1/summarize", json={"document": filler(19, start=i)}))
+                       for i in range(6)]  # 20 tokens each: one decoding, five queued
+            await until(lambda: engine.rate.tokens_per_s > 0, "a measured drain rate")
+            queued, rate = engine._queued_tokens(), engine.rate.tokens_per_s  # the next change is ~1 s away
+            # 64 tokens, a large request (over the 25-token reserve): it needs queued + 64 <= 75
+            late = await c.post("/v1/summarize", json={"document": filler(63)})
+            for w in waiting:
+                w.cancel()
+            return late, queued, rate
+
+    late, queued, rate = run(go())
+    assert late.status_code == 429, late.text
+    assert queued >= 60 and rate <= 20.5  # 20 tokens per second at most: 4 steps of at least 0.25 s
+    assert int(late.headers["retry-after"]) == math.ceil((queued + 64 - 75) / rate) >= 3
 
 
 # ---- a model whose worker is down (item 4)

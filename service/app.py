@@ -487,7 +487,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             if job.stream:
                 it = streams[0].__aiter__()
                 head = []
-                if params.num_beams == 1:  # greedy: the first token is one step away; errors before it keep their status
+                # greedy: the first token is one step away, and an error before it keeps its HTTP status
+                if params.num_beams == 1:
                     first = await anext(it, None)
                     head = [] if first is None else [first]
                 # beam search yields only when all beams are done: headers now, keep-alives meanwhile

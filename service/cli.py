@@ -25,7 +25,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--max-batch-tokens", type=int,
                    help="padded tokens per batch (default per device: 1024 on cpu, 16384 on cuda)")
     p.add_argument("--max-batch-size", type=int, help="sequences per batch (default 32)")
-    p.add_argument("--max-wait-ms", type=float, help="how long the oldest sequence waits for a fuller batch (default 2)")
+    p.add_argument("--max-wait-ms", type=float,
+                   help="how long the oldest sequence waits for a fuller batch (default 2)")
     p.add_argument("--max-queue-tokens", type=int,
                    help="queued tokens per model (default 262144; a share of it, LONGDOC_SMALL_REQUEST_SHARE "
                         "default 0.25, is kept for small requests)")

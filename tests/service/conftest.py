@@ -1,5 +1,6 @@
-"""Service test helpers: an app on fake workers, driven in-process through httpx's ASGI
-transport with the app's lifespan running."""
+"""Service test helpers: an app on fake workers (gated ones, for ordering without sleeps), driven
+in-process through httpx's ASGI transport with the app's lifespan running, or behind uvicorn in a
+thread; and a real `longdoc serve` subprocess."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ class ThreadServer:
 
 class ServeProcess:
     """A real `python -m longdoc serve` subprocess on a free loopback port (LONGDOC_THREADS=1 and
-    `env` added to the environment), its output in `log_path`; entered once /readyz says ready, killed on exit if still running."""
+    `env` added to the environment), its output in `log_path`; entered once /readyz says ready,
+    killed on exit if still running."""
 
     def __init__(self, args: list[str], log_path, env: dict[str, str] | None = None):
         self.env = dict(os.environ, LONGDOC_THREADS="1", **(env or {}))

@@ -26,13 +26,15 @@ from export import windows as W
 from model.search import resolve_settings
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
-from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
+from service.errors import (
+    InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, TooLarge, Unavailable, UnsupportedMediaType,
+)
 from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings
 from service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
-    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
-    validate_summarize,
+    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens, validate_classify,
+    validate_qa, validate_summarize,
 )
 from service.workers import ModelInfo, Worker, onnx_worker_factory
 
@@ -78,22 +80,26 @@ class Service:
         self.models: dict[str, ServedModel] = {}
         self.defaults: dict[str, str] = {}
         self.tokenizer_pool: ThreadPoolExecutor | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.draining = False
         self.drain_deadline = float("inf")
+        self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
         self.metrics.track_readiness(self.is_ready)  # longdoc_ready answers what /readyz answers
 
     async def start(self) -> None:
         s = self.settings
+        self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=s.tokenizer_threads, thread_name_prefix="tokenize")
         for name, directory in s.models.items():
             slots = []
             for i, device in enumerate(s.devices):
                 factory = lambda name=name, directory=directory, device=device: self._load(name, directory, device)  # noqa: E731
                 worker = await asyncio.to_thread(factory)
-                slots.append(WorkerSlot(factory, worker, i))
+                slots.append(WorkerSlot(factory, worker, i, s.worker_restart_backoff_s,
+                                        s.worker_restart_max_backoff_s))
             info = slots[0].worker.info
             if info.task not in TASKS:
                 raise ValueError(f"model {name}: task {info.task!r} is not served (serving {', '.join(TASKS)})")
@@ -101,7 +107,7 @@ class Service:
                 for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
                     extra.close()
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
-                                         restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
+                                         small_share=s.small_request_share, endpoint=info.task)
                 devices = [s.devices[0]]
             else:
                 policy = BatchingPolicy(
@@ -113,7 +119,7 @@ class Service:
                 )
                 engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
                                         pad_id=int(info.special_tokens.get("pad") or 0),
-                                        restart_backoff_s=s.worker_restart_backoff_s, endpoint=info.task)
+                                        small_share=s.small_request_share, endpoint=info.task)
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
@@ -129,11 +135,18 @@ class Service:
         return worker
 
     def begin_drain(self) -> None:
-        """Shutdown begins (SIGTERM): not ready, no new requests; the grace period starts now."""
+        """Shutdown begins (SIGTERM; called from the signal handler): not ready, no new requests;
+        the grace period starts now, and when it is over every request still running is answered
+        503 shutting_down by `serve` (streams get `event: error`)."""
         if not self.draining:
             self.draining = True
             self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
             self.metrics.refresh_ready()
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self._arm_drain_timer)
+
+    def _arm_drain_timer(self) -> None:
+        self.loop.call_later(max(0.0, self.drain_deadline - time.monotonic()), self.drain_expired.set)
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -169,15 +182,18 @@ class Service:
 # tokenization + windows (run in the tokenizer pool)
 
 
-def _encode(info: ModelInfo, text: str, limit: int):
-    enc = info.tokenizer.encode(text, add_special_tokens=False)
-    if len(enc.ids) > limit:
-        raise TooLarge(f"document has {len(enc.ids)} tokens; the limit is {limit} tokens")
+def _encode(info: ModelInfo, text: str, limit: int, what: str = "document"):
+    # encode_batch releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB document, and
+    # every thread, the event loop included, waits); the token count is checked before the ids and
+    # offsets become Python lists
+    enc = info.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    if len(enc) > limit:
+        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
     return enc.ids, enc.offsets
 
 
 def _prepare_qa(info: ModelInfo, job: QAJob, stride: int | None, limit: int):
-    q = info.tokenizer.encode(job.question, add_special_tokens=False).ids
+    q, _ = _encode(info, job.question, limit, "question")
     room = info.max_length - len(q) - 3
     if room < max(1, info.max_length // 4):  # the document needs room in each window
         raise InvalidRequest(
@@ -238,9 +254,10 @@ _ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 
 class BodyLimitMiddleware:
     """Before any parsing: POST bodies must be JSON and at most `max_bytes` (413 otherwise)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, max_json_tokens: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_tokens = max_json_tokens
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -272,6 +289,11 @@ class BodyLimitMiddleware:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return await _error(InvalidRequest(f"body is not valid UTF-8 (byte {exc.start})"))(scope, receive, send)
+        try:  # before any parse, in chunks: the event loop runs between them
+            for _ in scan_json_tokens(body, self.max_json_tokens):
+                await asyncio.sleep(0)
+        except ServiceError as exc:
+            return await _error(exc)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -302,7 +324,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                   description="Question answering, summarization and classification over long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
-    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    # a request's strings and separators: its fields (a dozen keys and values) and documents
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
@@ -336,12 +359,13 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         timing = Timing()
         m = service.metrics
         if service.draining:
-            m.failures.labels(endpoint, "unavailable").inc()
-            return _error(Unavailable("server is shutting down"))
+            m.failures.labels(endpoint, ShuttingDown.reason).inc()
+            return _error(ShuttingDown("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
         streaming = False  # a stream leaves in_flight when its last event is sent
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
+        grace_over = asyncio.ensure_future(service.drain_expired.wait())
 
         async def watch_disconnect():
             while True:
@@ -351,11 +375,16 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:  # the client went away: its queued/running work stops
+            done, _ = await asyncio.wait({task, watcher, grace_over}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:  # its queued/running work stops
                 state.cancelled = True
                 task.cancel()
-                m.failures.labels(endpoint, "cancelled").inc()
+                if watcher not in done:  # the shutdown grace is over: answer before uvicorn gives up
+                    m.failures.labels(endpoint, ShuttingDown.reason).inc()
+                    return _error(ShuttingDown(
+                        f"server is shutting down; the request did not finish within the "
+                        f"{settings.shutdown_grace_s:g} s grace period; retry"))
+                m.failures.labels(endpoint, "cancelled").inc()  # the client went away
                 return Response(status_code=499)
             try:
                 response, model, n_tokens = task.result()
@@ -393,6 +422,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             return response
         finally:
             watcher.cancel()
+            grace_over.cancel()
             if not streaming:
                 m.in_flight.labels(endpoint).dec()
 
@@ -486,14 +516,16 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             n_tokens = sum(p[1] for p in prepared)
             if job.stream:
                 it = streams[0].__aiter__()
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    first = None
+                head = []
+                # greedy: the first token is one step away, and an error before it keeps its HTTP status
+                if search.num_beams == 1:
+                    first = await anext(it, None)
+                    head = [] if first is None else [first]
+                # beam search yields only when all beams are done: headers now, keep-alives meanwhile
                 timing.queue = time.monotonic() - t
                 ids, n, truncated = prepared[0]
                 return MeasuredStream(
-                    _sse(it, first, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
+                    _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
                     media_type="text/event-stream", headers={"cache-control": "no-store"},
                 ), model, n_tokens
             generated = await asyncio.gather(*(_collect(s) for s in streams))
@@ -538,20 +570,37 @@ async def _collect(stream) -> list[int]:
     return [t async for t in stream]
 
 
-async def _sse(it, first, tokenizer, usage: dict, service: Service, model: ServedModel):
+async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel):
+    """Server-sent events: `token` per token (`head` were already taken from `it`), then `done`;
+    `error` on failure or when the shutdown grace runs out; a `: keep-alive` comment after every
+    `stream_keepalive_s` without a token (a beam search sends nothing until it ends), which also
+    finds a client that went away (the write fails) so that the search stops."""
     ids: list[int] = []
     text = ""
+    grace_over = asyncio.ensure_future(service.drain_expired.wait())
+    pending = None  # the next item of `it`, being awaited
     try:
-        item = first
-        while item is not None:
+        items = iter(head)
+        while True:
+            item = next(items, None)
+            if item is None:
+                pending = pending or asyncio.ensure_future(anext(it, None))
+                done, _ = await asyncio.wait({pending, grace_over}, timeout=service.settings.stream_keepalive_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if pending in done:
+                    item, pending = pending.result(), None
+                    if item is None:
+                        break
+                elif grace_over in done:
+                    raise ShuttingDown("server is shutting down; the stream did not finish within the "
+                                       f"{service.settings.shutdown_grace_s:g} s grace period")
+                else:
+                    yield ": keep-alive\n\n"
+                    continue
             ids.append(item)
             new = tokenizer.decode(ids)
             delta, text = new[len(text):], new
             yield f"event: token\ndata: {json.dumps({'id': item, 'text': delta})}\n\n"
-            try:
-                item = await it.__anext__()
-            except StopAsyncIteration:
-                item = None
         result = {"summary": tokenizer.decode(ids), "generated_tokens": len(ids), "usage": usage}
         yield f"event: done\ndata: {json.dumps({'model': model.info.name, 'results': [result]})}\n\n"
     except ServiceError as exc:
@@ -561,4 +610,8 @@ async def _sse(it, first, tokenizer, usage: dict, service: Service, model: Serve
         service.metrics.failures.labels("summarize", "cancelled").inc()
         raise
     finally:
+        grace_over.cancel()
+        if pending is not None:  # let it finish being cancelled before closing the generator under it
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
         await it.aclose()  # leaves the decoding batch at the next step

@@ -11,8 +11,13 @@ only the batcher task touches the queue (a `BatchingPolicy`) and the workers.
   so the answer is the one `OnnxModel.generate` gives. Beam search runs alone through the
   worker's `generate`, which checks the request between decoder steps and stops it too.
 
-A worker whose run raises is replaced (restarted from its factory, in the background); the
-requests of the failed batch get 503 and the queue keeps going on the other workers.
+A worker whose run raises is replaced (restarted from its factory, in the background, with a
+capped back-off); the requests of the failed batch get 503 and the queue keeps going on the other
+workers. While a model has no worker up, its queued and new requests get 503 at once with a
+`Retry-After` of the next restart attempt, rather than waiting out their deadline.
+
+Admission (`QueueBudget`, service/batching.py) charges a request's whole token cost before
+accepting it; `Retry-After` on 429 is the time for the excess to drain at the measured rate.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ import numpy as np
 
 from export.manifest import PER_TOKEN_OUTPUTS
 from model.search import SearchSettings, greedy_tokens, is_finished
-from service.batching import BatchingPolicy, Entry
-from service.errors import Cancelled, DeadlineExceeded, Overloaded, Unavailable
+from service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
+from service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from service.metrics import Metrics
 from service.workers import EncoderBatch, GenerationStopped, Worker
 
@@ -57,24 +62,40 @@ class RequestState:
 
 
 class WorkerSlot:
-    """One worker and the single thread that runs it; replaced on failure."""
+    """One worker and the single thread that runs it; replaced on failure. Restart attempts
+    back off from `backoff_s`, doubling up to `max_backoff_s`."""
 
-    def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int):
+    def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0):
         self.factory = factory
         self.worker = worker
         self.index = index
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{index}")
         self.healthy = True
+        self.next_attempt = 0.0  # monotonic time of the next restart attempt, while not healthy
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def restart(self, backoff_s: float, metrics: Metrics, model: str) -> None:
+    def retry_after(self) -> int:
+        """Whole seconds until the next restart attempt (at least 1), for Retry-After."""
+        return max(1, math.ceil(self.next_attempt - time.monotonic()))
+
+    def mark_down(self) -> None:
+        """Not healthy; the first restart attempt is due after `backoff_s`."""
         self.healthy = False
+        self.next_attempt = time.monotonic() + min(self.backoff_s, self.max_backoff_s)
+
+    async def restart(self, metrics: Metrics, model: str) -> None:
+        if self.healthy:
+            self.mark_down()
         metrics.refresh_ready()
         old = self.worker
+        delay = min(self.backoff_s, self.max_backoff_s)
         while True:
-            await asyncio.sleep(backoff_s)
+            await asyncio.sleep(max(0.0, self.next_attempt - time.monotonic()))
             try:
                 await self.call(old.close)
             except Exception:  # noqa: BLE001 - a broken worker may fail to close too
@@ -83,8 +104,9 @@ class WorkerSlot:
                 self.worker = await self.call(self.factory)
                 break
             except Exception:
-                log.exception("restarting worker %d of %s failed; retrying", self.index, model)
-                backoff_s = max(backoff_s * 2, 0.1)
+                log.exception("restarting worker %d of %s failed; retrying in %.1f s", self.index, model, delay)
+                delay = min(max(delay * 2, 0.1), self.max_backoff_s)
+                self.next_attempt = time.monotonic() + delay
         metrics.worker_restarts.labels(model).inc()
         self.healthy = True
         metrics.refresh_ready()
@@ -114,28 +136,43 @@ class SequenceResult:
     inference_s: float
 
 
-def _retry_after(queued_tokens: int, tokens_per_s: float) -> int:
-    return max(1, min(60, math.ceil(queued_tokens / max(tokens_per_s, 1.0))))
+def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: int) -> None:
+    """Raise 413 for a request that can never be admitted, 429 (Retry-After: the time for the
+    excess to drain) for one that cannot be admitted yet."""
+    if cost > budget.max_request_tokens:
+        raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
+                       f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
+                       f"share kept for small requests)")
+    excess = budget.excess(queued, cost)
+    if excess:
+        raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
+                         f"(limit {budget.max_tokens}, small requests {budget.reserve} of them)",
+                         rate.retry_after(excess))
+
+
+def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:
+    soonest = min(s.retry_after() for s in slots)
+    return Unavailable(f"model {model}: no worker is up (restarting); retry", {"Retry-After": str(soonest)})
 
 
 class EncoderBatcher:
     def __init__(self, model: str, slots: list[WorkerSlot], policy: BatchingPolicy, metrics: Metrics,
-                 max_queue_tokens: int, pad_id: int, restart_backoff_s: float = 0.5, *, endpoint: str):
+                 max_queue_tokens: int, pad_id: int, small_share: float = 0.25, *, endpoint: str):
         self.model = model
         self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
         metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
         self.slots = slots
         self.policy = policy
         self.metrics = metrics
-        self.max_queue_tokens = max_queue_tokens
+        self.budget = QueueBudget(max_queue_tokens, small_share)
         self.pad_id = pad_id
-        self.restart_backoff_s = restart_backoff_s
-        self.tokens_per_s = 0.0  # moving average, for Retry-After
+        self.rate = DrainRate()  # for Retry-After
         self._wake = asyncio.Event()
         self._idle: asyncio.Queue[WorkerSlot] = asyncio.Queue()
         for s in slots:
             self._idle.put_nowait(s)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # batches running
+        self._restarts: set[asyncio.Task] = set()  # not waited for by drain: nothing is in flight there
         self._loop_task: asyncio.Task | None = None
         self.draining = False
 
@@ -152,17 +189,15 @@ class EncoderBatcher:
     async def submit(self, sequences: list[tuple[tuple[int, ...], tuple[int, ...] | None]],
                      request: RequestState) -> list[SequenceResult]:
         """Queue a request's sequences; wait for all (or for its deadline/cancellation)."""
-        need = sum(len(ids) for ids, _ in sequences)
-        if len(self.policy) and self.policy.queued_tokens + need > self.max_queue_tokens:
-            raise Overloaded(
-                f"model {self.model} has {self.policy.queued_tokens} tokens queued (limit {self.max_queue_tokens})",
-                _retry_after(self.policy.queued_tokens, self.tokens_per_s),
-            )
+        if not any(s.healthy for s in self.slots):
+            raise worker_down(self.model, self.slots)
+        admit(self.model, self.budget, self.rate, self.policy.queued_tokens, sum(len(ids) for ids, _ in sequences))
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         seqs = [Sequence(ids, types, request, loop.create_future(), enqueued=now) for ids, types in sequences]
         for s in seqs:
-            self.policy.append(Entry(len(s.input_ids), now, s, lambda s=s: s.future.done() or request.is_done()))
+            self.policy.append(Entry(len(s.input_ids), now, s, lambda s=s: s.future.done() or request.is_done(),
+                                     owner=request))
         self._gauges()
         self._wake.set()
         try:
@@ -232,9 +267,9 @@ class EncoderBatcher:
             for s in seqs:
                 if not s.future.done():
                     s.future.set_exception(Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
-            await slot.restart(self.restart_backoff_s, self.metrics, self.model)
-            self._idle.put_nowait(slot)
-            self._wake.set()
+            task = asyncio.create_task(self._restart(slot))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
             return
         finished = time.monotonic()
         real = int(mask.sum())
@@ -243,14 +278,26 @@ class EncoderBatcher:
         self.metrics.batch_tokens.labels(self.model).observe(padded)
         self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
         self.metrics.input_tokens.labels(self.model, self.endpoint).inc(real)
-        rate = real / max(finished - started, 1e-6)
-        self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+        self.rate.observe(real, finished - started)
         for i, s in enumerate(seqs):
             s.finished = finished
             if not s.future.done():
                 n = len(s.input_ids)
                 per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
                 s.future.set_result({k: v[i, :n] if k in per_token else v[i] for k, v in out.items()})
+        self._idle.put_nowait(slot)
+        self._wake.set()
+
+    async def _restart(self, slot: WorkerSlot) -> None:
+        slot.mark_down()
+        if not any(s.healthy for s in self.slots):  # nobody can run the queue: answer it now
+            error = worker_down(self.model, self.slots)
+            while (b := self.policy.next_batch(time.monotonic(), force=True)) is not None:
+                for e in b.entries:
+                    if not e.payload.future.done():
+                        e.payload.future.set_exception(error)
+            self._gauges()
+        await slot.restart(self.metrics, self.model)
         self._idle.put_nowait(slot)
         self._wake.set()
 
@@ -265,7 +312,7 @@ class EncoderBatcher:
     async def close(self) -> None:
         if self._loop_task:
             self._loop_task.cancel()
-        for t in list(self._tasks):
+        for t in list(self._tasks) + list(self._restarts):
             t.cancel()
         for e in self.policy.drop_cancelled():
             pass
@@ -299,7 +346,7 @@ class DecodeJob:
 
 class DecodeScheduler:
     def __init__(self, model: str, slot: WorkerSlot, metrics: Metrics, max_decode_batch: int,
-                 max_queue_tokens: int, restart_backoff_s: float = 0.5, *, endpoint: str):
+                 max_queue_tokens: int, small_share: float = 0.25, *, endpoint: str):
         self.model = model
         self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
         metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
@@ -307,8 +354,9 @@ class DecodeScheduler:
         self.slots = [slot]
         self.metrics = metrics
         self.max_decode_batch = max_decode_batch
-        self.max_queue_tokens = max_queue_tokens
-        self.restart_backoff_s = restart_backoff_s
+        self.budget = QueueBudget(max_queue_tokens, small_share)
+        self.rate = DrainRate()  # tokens leaving `pending` per second, for Retry-After
+        self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.pending: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
         self._wake = asyncio.Event()
@@ -328,9 +376,9 @@ class DecodeScheduler:
                      request: RequestState) -> AsyncIterator[int]:
         """Yields generated token ids as they come (not the eos that ends them); raises the
         request's error if it fails."""
-        queued = self._queued_tokens()
-        if self.pending and queued + len(input_ids) > self.max_queue_tokens:
-            raise Overloaded(f"model {self.model} has {queued} tokens queued (limit {self.max_queue_tokens})", 1)
+        if not self.slot.healthy:
+            raise worker_down(self.model, self.slots)
+        admit(self.model, self.budget, self.rate, self._queued_tokens(), len(input_ids))
         job = DecodeJob(list(input_ids), settings, request, asyncio.Queue(), time.monotonic())
         self.pending.append(job)
         self._gauges()
@@ -358,6 +406,16 @@ class DecodeScheduler:
         self.metrics.queue_requests.labels(self.model).set(len(self.pending))
         self.metrics.queue_tokens.labels(self.model).set(self._queued_tokens())
 
+    def _left_queue(self, tokens: int) -> None:
+        """Jobs left `pending` for the decoding batch. The time between two departures measures
+        the drain rate only when jobs were waiting all along (a backlog drains at the decoder's
+        pace; a job that arrives at an idle queue leaves at once and says nothing)."""
+        now = time.monotonic()
+        if self._drain_mark is not None:
+            self.rate.observe(tokens, now - self._drain_mark)
+        self._drain_mark = now if self.pending else None
+        self._gauges()
+
     def _finish(self, job: DecodeJob, item) -> None:
         job.tokens.put_nowait(item)
 
@@ -376,7 +434,13 @@ class DecodeScheduler:
                 for job in self.running:
                     self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
                 self.running = []
-                await self.slot.restart(self.restart_backoff_s, self.metrics, self.model)
+                self.slot.mark_down()
+                error = worker_down(self.model, self.slots)
+                for job in self.pending:  # nobody can run them until the restart: answer them now
+                    self._finish(job, error)
+                self.pending = []
+                self._gauges()
+                await self.slot.restart(self.metrics, self.model)
 
     async def _admit(self) -> None:
         # drop requests that ended while queued
@@ -392,7 +456,7 @@ class DecodeScheduler:
             if self.running:  # let the running batch finish first, admit nobody past it
                 return
             job = self.pending.pop(0)
-            self._gauges()
+            self._left_queue(len(job.input_ids))
             job.started = time.monotonic()
             try:  # job.is_done reads a flag and the clock: safe from the worker thread
                 out = await self.slot.call(self.slot.worker.generate, job.input_ids, job.settings, job.is_done)
@@ -416,7 +480,7 @@ class DecodeScheduler:
             joining.append(j)
         for j in joining:
             self.pending.remove(j)
-        self._gauges()
+        self._left_queue(sum(len(j.input_ids) for j in joining))
         try:
             states = await self.slot.call(self.slot.worker.begin, [j.input_ids for j in joining])
         except Exception as exc:

@@ -10,15 +10,21 @@ Rules, in order:
 - A batch never costs more than the token budget nor holds more than `max_batch_size` sequences.
   The one exception is a single sequence whose bucket alone exceeds the budget: it runs alone
   (refusing it would starve it; the caller bounds sequence length separately).
-- FIFO fairness across buckets: once the oldest queued sequence has waited `max_wait_s`, the next
-  batch is taken from its bucket and starts with it. Before that, a bucket that can fill a whole
-  batch may go first. So no sequence waits longer than `max_wait_s` plus the batches already ready.
+- Fairness across buckets: once the oldest queued sequence has waited `max_wait_s`, the next
+  batch is taken from the bucket of a *head* sequence and starts with it. Before that, a bucket
+  that can fill a whole batch may go first.
+- Fairness between requests (an entry's `owner`): the head alternates between the oldest
+  sequence (FIFO) and the oldest sequence of the request served the fewest tokens so far. So a
+  small request queued behind a large one runs its windows every other batch instead of after
+  all of the large one's, and the large one still gets at least every other batch. Entries
+  without an owner share one (plain FIFO).
 - Cancelled sequences (client gone, deadline passed) are dropped when met and handed back through
   `drop_cancelled`, never batched.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,6 +38,7 @@ class Entry:
     arrival: float  # seconds, the caller's clock
     payload: Any = None
     is_cancelled: Callable[[], bool] = field(default=lambda: False, repr=False)
+    owner: Any = None  # the request it belongs to (fairness between requests)
     seq: int = -1  # arrival order, set by append
 
 
@@ -62,6 +69,8 @@ class BatchingPolicy:
         self._next_seq = 0
         self._cancelled: list[Entry] = []
         self.queued_tokens = 0
+        self._owners: dict[Any, list[int]] = {}  # owner -> [queued entries, tokens served so far]
+        self._fifo_turn = True  # whose turn the next released head is: FIFO, or least served
 
     def bucket_of(self, length: int) -> int:
         return max(1, -(-length // self.bucket_size)) * self.bucket_size
@@ -77,10 +86,24 @@ class BatchingPolicy:
         self._buckets.setdefault(self.bucket_of(entry.length), deque()).append(entry)
         self._order[entry.seq] = entry
         self.queued_tokens += entry.length
+        self._owners.setdefault(entry.owner, [0, 0])[0] += 1
 
     def _remove(self, entry: Entry) -> None:
         del self._order[entry.seq]
         self.queued_tokens -= entry.length
+        owner = self._owners[entry.owner]
+        owner[0] -= 1
+        if not owner[0]:  # forgotten once it has nothing queued
+            del self._owners[entry.owner]
+
+    def _head(self) -> Entry:
+        """The sequence the next released batch starts with (see the module's rules)."""
+        oldest = next(iter(self._order.values()))
+        fifo, self._fifo_turn = self._fifo_turn, not self._fifo_turn
+        if fifo or len(self._owners) == 1:
+            return oldest
+        least = min(self._owners, key=lambda o: self._owners[o][1])
+        return next(e for e in self._order.values() if e.owner == least)
 
     def _prune(self) -> None:
         """Move cancelled entries out of the queue (they come back from drop_cancelled)."""
@@ -121,9 +144,12 @@ class BatchingPolicy:
         if not self._order:
             return None
         oldest = next(iter(self._order.values()))
-        head_bucket = self.bucket_of(oldest.length)
         if force or now - oldest.arrival >= self.max_wait_s:
-            chosen = head_bucket
+            head = self._head()
+            chosen = self.bucket_of(head.length)
+            entries = self._buckets[chosen]
+            entries.remove(head)
+            entries.appendleft(head)  # the batch starts with the head, then FIFO in its bucket
         else:  # a full bucket may go before the head's wait runs out; oldest full bucket first
             full = [
                 (entries[0].seq, b)
@@ -138,5 +164,57 @@ class BatchingPolicy:
         if not entries:
             del self._buckets[chosen]
         for e in take:
+            self._owners[e.owner][1] += e.length
             self._remove(e)
         return Batch(tuple(take), chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# admission: what a model's queue accepts (docs/service.md, "Admission and fairness")
+
+
+@dataclass(frozen=True)
+class QueueBudget:
+    """A request is charged its whole token cost (every window of every document) before it is
+    accepted, and the last `small_share` of the budget is kept for small requests:
+
+    - cost > max_request_tokens (the budget less the reserve): 413, it can never be admitted;
+    - a large request (cost > reserve) is admitted while `queued + cost <= max_request_tokens`;
+    - a small request (cost <= reserve) is admitted while `queued + cost <= max_tokens`.
+
+    So one large request can never fill the queue: small requests always find the reserve."""
+
+    max_tokens: int
+    small_share: float = 0.25
+
+    @property
+    def reserve(self) -> int:
+        return int(self.max_tokens * self.small_share)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.max_tokens - self.reserve
+
+    def excess(self, queued: int, cost: int) -> int:
+        """Queued tokens that must drain before a request of `cost` is admitted (0: admit now).
+        The caller checks `cost <= max_request_tokens` first."""
+        limit = self.max_tokens if cost <= self.reserve else self.max_request_tokens
+        return max(0, queued + cost - limit)
+
+
+class DrainRate:
+    """Tokens leaving a queue per second (moving average), to turn queued tokens into seconds."""
+
+    def __init__(self):
+        self.tokens_per_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+
+    def retry_after(self, tokens: int) -> int:
+        """Whole seconds until `tokens` more have drained, in [1, 60]; 60 while nothing has been
+        measured (a cold model's throughput is unknown)."""
+        if not self.tokens_per_s:
+            return 60
+        return max(1, min(60, math.ceil(tokens / self.tokens_per_s)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
+
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
@@ -19,15 +21,23 @@ def add_commands(subparsers) -> None:
                         "under <repo>/models/")
     p.add_argument("--device", action="append", default=[], metavar="cpu|cuda|cuda:N",
                    help="repeatable: one worker per device for each encoder model (default cpu)")
-    p.add_argument("--threads", type=int, help="intra-op threads per CPU worker")
-    p.add_argument("--max-batch-tokens", type=int)
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--max-wait-ms", type=float)
-    p.add_argument("--max-queue-tokens", type=int)
-    p.add_argument("--no-batching", action="store_true", help="run every sequence alone (for comparison)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass at the maximum length")
-    p.add_argument("--shutdown-grace-s", type=float, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--threads", type=int, help="intra-op threads per CPU worker (default: ONNX Runtime's choice)")
+    p.add_argument("--max-batch-tokens", type=int,
+                   help="padded tokens per batch (default per device: 1024 on cpu, 16384 on cuda)")
+    p.add_argument("--max-batch-size", type=int, help="sequences per batch (default 32)")
+    p.add_argument("--max-wait-ms", type=float,
+                   help="how long the oldest sequence waits for a fuller batch (default 2)")
+    p.add_argument("--max-queue-tokens", type=int,
+                   help="queued tokens per model (default 262144; a share of it, LONGDOC_SMALL_REQUEST_SHARE "
+                        "default 0.25, is kept for small requests)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="run every sequence alone, for comparison (default: batching on)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up pass at the maximum length (default: warm up)")
+    p.add_argument("--shutdown-grace-s", type=float,
+                   help="seconds to finish in-flight work on SIGTERM; what is left is answered 503 "
+                        "shutting_down (default 30)")
+    p.add_argument("--log-level", default="info", help="uvicorn and service log level (default info)")
     p.set_defaults(func=serve)
 
 
@@ -86,8 +96,12 @@ def serve(args: argparse.Namespace) -> int:
             app.state.service.begin_drain()
             super().handle_exit(sig, frame)
 
+    # the service answers whatever is still running when the grace is over (503 shutting_down,
+    # `event: error` on streams); uvicorn's own limit comes later, so it never cancels a request
+    # and answers its plain-text 500 instead
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+                            access_log=False)
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

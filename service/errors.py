@@ -42,6 +42,13 @@ class Unavailable(ServiceError):
     status, type, reason = 503, "unavailable", "unavailable"
 
 
+class ShuttingDown(Unavailable):
+    """Refused, or not finished within the shutdown grace period: the service answers, never the
+    HTTP server's plain-text 500."""
+
+    type = "shutting_down"
+
+
 class DeadlineExceeded(ServiceError):
     status, type, reason = 504, "deadline_exceeded", "timeout"
 

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1)
     max_wait_ms: float = Field(2.0, ge=0)
     max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
+    # the share of max_queue_tokens that only small requests may fill (docs/service.md, "Admission
+    # and fairness"); a request over the rest is refused with 413
+    small_request_share: float = Field(0.25, ge=0, lt=1)
     max_decode_batch: int = Field(16, ge=1, description="sequences decoding together (summarize)")
 
     # request limits
@@ -55,6 +58,8 @@ class Settings(BaseSettings):
     warmup: bool = True  # run each worker once at the maximum length before /readyz says yes
     shutdown_grace_s: float = Field(30.0, ge=0)
     worker_restart_backoff_s: float = Field(0.5, ge=0)
+    stream_keepalive_s: float = Field(15.0, gt=0, description="SSE comment after this long without a token")
+    worker_restart_max_backoff_s: float = Field(10.0, ge=0, description="restart back-off doubles up to this")
 
     @field_validator("devices")
     @classmethod

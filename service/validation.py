@@ -4,15 +4,50 @@ After `validate_*` nothing downstream re-checks user input."""
 from __future__ import annotations
 
 import math
+import re
 import time
-import unicodedata
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.errors import InvalidRequest, TooLarge
 
-_ALLOWED_CONTROLS = {"\t", "\n", "\r"}
+# Unicode category Cc (C0 and C1 controls) but tab, newline and carriage return: one regex
+# search in C instead of a Python loop over every character of a 2 MB document (0.17 s)
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# outside strings: the start of a string, or a separator; inside: up to the closing quote
+_JSON_TOKEN = re.compile(rb'[",:\[{]')
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+
+
+def scan_json_tokens(body: bytes, limit: int, chunk: int = 1 << 18):
+    """Before any parse: raise TooLarge past `limit` JSON strings and separators. A request of
+    this API has a few dozen; a body of 500k keys has a million, and costs seconds to parse and
+    validate. A generator that yields after each `chunk` bytes scanned (linear, in C regex calls),
+    so that an async caller can let the event loop run between chunks of a 32 MB body."""
+    n, pos, end = 0, 0, len(body)
+    while pos < end:
+        stop = min(end, pos + chunk)
+        m = _JSON_TOKEN.search(body, pos, stop)
+        if m is None:
+            pos = stop
+            yield
+            continue
+        n += 1
+        if n > limit:
+            raise TooLarge(f"request body has over {limit} JSON strings and separators; "
+                           f"this API's requests need far fewer")
+        pos = m.end()
+        if m.group() != b'"':
+            continue
+        while pos < end:  # inside a string, one chunk at a time
+            pos = _STRING_BODY.match(body, pos, min(end, pos + chunk)).end()
+            if body[pos : pos + 1] == b'"':
+                pos += 1
+                break
+            if body[pos : pos + 1] == b"\\":  # an escape cut by the chunk's end
+                pos += 2
+            yield
 
 
 class _Body(BaseModel):
@@ -175,9 +210,8 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
         raise TooLarge(f"{what} is {size} bytes; the limit is {max_bytes} bytes")
     if not text.strip():
         raise InvalidRequest(f"{what} is empty or only whitespace")
-    for i, ch in enumerate(text):
-        if unicodedata.category(ch) == "Cc" and ch not in _ALLOWED_CONTROLS:
-            raise InvalidRequest(f"{what} contains control character U+{ord(ch):04X} at offset {i}")
+    if bad := _CONTROL.search(text):
+        raise InvalidRequest(f"{what} contains control character U+{ord(bad.group()):04X} at offset {bad.start()}")
     return text
 
 

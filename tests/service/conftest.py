@@ -1,10 +1,14 @@
-"""Service test helpers: an app on fake workers, driven in-process through httpx's ASGI
-transport with the app's lifespan running."""
+"""Service test helpers: an app on fake workers (gated ones, for ordering without sleeps), driven
+in-process through httpx's ASGI transport with the app's lifespan running, or behind uvicorn in a
+thread; and a real `longdoc serve` subprocess."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -29,18 +33,51 @@ def tiny_summarize_options_dir(tmp_path_factory):
     return make_tiny_export(root / "model", "summarize", checkpoint_dir=checkpoint)
 
 
-def fake_factory(**per_task):
-    """A worker factory: model name -> FakeWorker(task=name's task, **per_task[task])."""
+class GatedWorker(FakeWorker):
+    """A FakeWorker whose run/step/generate first wait for `gate` (a threading.Event), so a test
+    decides when work proceeds; `entered` is set once a call is waiting at the gate."""
+
+    def __init__(self, *, gate: threading.Event, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def _wait(self):
+        self.entered.set()
+        assert self.gate.wait(30), "gate never opened"
+
+    def run(self, batch):
+        self._wait()
+        return super().run(batch)
+
+    def step(self, states, tokens):
+        self._wait()
+        return super().step(states, tokens)
+
+    def generate(self, input_ids, settings, should_stop=None):
+        self._wait()
+        return super().generate(input_ids, settings, should_stop)
+
+
+def fake_factory(restarts_fail: bool = False, **per_task):
+    """A worker factory: model name -> FakeWorker(task=name's task, **per_task[task]); a `gate`
+    in per_task[task] makes it a GatedWorker. A restart (second worker of a name) does not fail,
+    or, with `restarts_fail`, raises."""
     made = []
 
     def factory(name, directory, device, settings):
         task = str(directory)  # tests pass the task as the "directory"
         kwargs = dict(per_task.get(task, {}))
-        if any(m.info.name == name for m in made):  # a restart: the new worker does not fail
+        if any(m.info.name == name for m in made):  # a restart
+            factory.restarts += 1
+            if restarts_fail:
+                raise RuntimeError("fake restart failure")
             kwargs.pop("fail_runs", None)
-        w = FakeWorker(name=name, task=task, **kwargs)
+        w = (GatedWorker if "gate" in kwargs else FakeWorker)(name=name, task=task, **kwargs)
         made.append(w)
         return w
+
+    factory.restarts = 0
 
     factory.made = made
     return factory
@@ -86,3 +123,36 @@ class ThreadServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class ServeProcess:
+    """A real `python -m longdoc serve` subprocess on a free loopback port (LONGDOC_THREADS=1 and
+    `env` added to the environment), its output in `log_path`; entered once /readyz says ready,
+    killed on exit if still running."""
+
+    def __init__(self, args: list[str], log_path, env: dict[str, str] | None = None):
+        self.env = dict(os.environ, LONGDOC_THREADS="1", **(env or {}))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "longdoc", "serve", "--port", str(self.port), "--log-level", "warning",
+                     *args]
+        self.log_path = log_path
+
+    def __enter__(self):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.log_path.read_text()
+            time.sleep(0.1)
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -139,3 +139,25 @@ def test_never_exceeds_budget_and_loses_nothing(items, budget, size, bucket):
     assert sorted(seen + dropped) == list(range(len(items)))
     assert all(not items[i][1] for i in seen) and all(items[i][1] for i in dropped)
     assert p.queued_tokens == 0
+
+
+def test_a_small_request_behind_a_large_one_gets_every_other_batch():
+    p = policy(wait=0.0, size=1)
+    for i in range(6):
+        p.append(Entry(length=16, arrival=0.0, payload=("large", i), owner="large"))
+    for i in range(2):
+        p.append(Entry(length=16, arrival=1.0, payload=("small", i), owner="small"))
+    order = [p.next_batch(now=2.0).entries[0].payload for _ in range(8)]
+    assert order == [("large", 0), ("small", 0), ("large", 1), ("small", 1),
+                     ("large", 2), ("large", 3), ("large", 4), ("large", 5)]
+    assert p.next_batch(now=2.0) is None and p.queued_tokens == 0
+
+
+def test_the_least_served_request_goes_first_on_its_turn():
+    p = policy(wait=0.0, size=1)
+    p.append(Entry(length=16, arrival=0.0, payload="a0", owner="a"))
+    p.append(Entry(length=16, arrival=0.0, payload="a1", owner="a"))
+    p.append(Entry(length=16, arrival=0.0, payload="b0", owner="b"))
+    p.append(Entry(length=16, arrival=0.0, payload="c0", owner="c"))
+    # FIFO: a0; least served (b and c have 0, b is older): b0; FIFO: a1; least served: c0
+    assert [p.next_batch(now=1.0).entries[0].payload for _ in range(4)] == ["a0", "b0", "a1", "c0"]

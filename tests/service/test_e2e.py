@@ -6,10 +6,7 @@ which is what batching, padding, windows and iteration-level decoding must not c
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,10 +15,10 @@ import numpy as np
 import pytest
 
 from service.settings import Settings
-from service.workers import OnnxWorker
-from tests.service.conftest import ThreadServer, free_port
 from export.evaluate import qa_spans
 from export.windows import pool_logits
+from service.workers import OnnxWorker
+from tests.service.conftest import ServeProcess, ThreadServer
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
          "find food for the children of the city").split()
@@ -209,7 +206,8 @@ def test_disconnect_stops_decoding(server):
 
 
 def test_flood_gets_429_and_others_still_served(tiny_qa_dir):
-    settings = Settings(models={"qa": tiny_qa_dir}, threads=1, max_queue_tokens=3000, max_batch_size=2,
+    # one request (about 3000 tokens of windows) fits the 4500 a request may take, two do not
+    settings = Settings(models={"qa": tiny_qa_dir}, threads=1, max_queue_tokens=6000, max_batch_size=2,
                         warmup=False)
     with ThreadServer(settings) as s:
         doc = text_of(1500, seed=9)
@@ -230,47 +228,28 @@ def test_flood_gets_429_and_others_still_served(tiny_qa_dir):
 
 
 def test_sigterm_drains_in_flight_work_then_exits(tiny_summarize_dir, tmp_path):
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    env = dict(os.environ, LONGDOC_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--model", f"sum={tiny_summarize_dir}",
-         "--no-warmup", "--shutdown-grace-s", "20", "--log-level", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
+    args = ["--model", f"sum={tiny_summarize_dir}", "--no-warmup", "--shutdown-grace-s", "20"]
+    with ServeProcess(args, tmp_path / "serve.log") as s:
         box = {}
 
         def slow():
-            box["r"] = httpx.post(url + "/v1/summarize", json={"documents": [text_of(500, seed=s) for s in range(4)],
-                                                               "max_new_tokens": 300}, timeout=60)
+            box["r"] = httpx.post(s.url + "/v1/summarize", timeout=60,
+                                  json={"documents": [text_of(500, seed=i) for i in range(4)], "max_new_tokens": 300})
 
         t = threading.Thread(target=slow)
         t.start()
-        time.sleep(0.3)  # in flight now
-        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while metric(s.url, 'longdoc_in_flight_requests{endpoint="summarize"}') < 1:
+            assert time.monotonic() < deadline, "the request did not get in flight"
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         with pytest.raises(httpx.TransportError):  # no longer accepting
-            httpx.get(url + "/livez", timeout=2)
+            httpx.get(s.url + "/livez", timeout=2)
         t.join(60)
         assert box["r"].status_code == 200, box["r"].text
         assert all(x["generated_tokens"] > 0 for x in box["r"].json()["results"])
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        assert s.proc.wait(30) == 0
 
 
 def test_io_binding_encoder_matches_run_encoder(offline):

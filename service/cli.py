@@ -1,8 +1,14 @@
-"""`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level."""
+"""`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level.
+
+Its flags are derived from `service.settings.Settings`: one flag per field (`max_batch_tokens` ->
+`--max-batch-tokens`), the field's description as help, its default and its `LONGDOC_*` variable
+shown, so a new setting is reachable by flag and by variable without touching this file."""
 
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 from pathlib import Path
 
 
@@ -10,25 +16,110 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve exported models over HTTP",
         description="Serve exported model directories over HTTP (QA, summarization, classification). "
-                    "Flags override LONGDOC_* environment variables; see docs/service.md.",
+                    "Every flag is also a LONGDOC_* environment variable; flags win. See docs/service.md.",
     )
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--model", action="append", metavar="NAME=DIR", default=[],
-                   help="a model directory written by `longdoc export` (repeatable); default: every model "
-                        "under <repo>/models/")
-    p.add_argument("--device", action="append", default=[], metavar="cpu|cuda|cuda:N",
-                   help="repeatable: one worker per device for each encoder model (default cpu)")
-    p.add_argument("--threads", type=int, help="intra-op threads per CPU worker")
-    p.add_argument("--max-batch-tokens", type=int)
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--max-wait-ms", type=float)
-    p.add_argument("--max-queue-tokens", type=int)
-    p.add_argument("--no-batching", action="store_true", help="run every sequence alone (for comparison)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass at the maximum length")
-    p.add_argument("--shutdown-grace-s", type=float, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--log-level", default="info")
+    try:
+        from service.settings import Settings
+    except ModuleNotFoundError as exc:  # pydantic-settings & co. come with the serve extra
+        p.set_defaults(func=lambda args: _missing_extra(exc))
+        return
+    for name, field in Settings.model_fields.items():
+        _add_setting_flag(p, name, field)
     p.set_defaults(func=serve)
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> int:
+    raise SystemExit(f"longdoc serve: error: {exc}; install longdoc[serve] (or longdoc[gpu] for CUDA)")
+
+
+def _kind(annotation) -> str:
+    """"bool" | "dict" | "list" | "scalar" for a Settings field's type (Optional unwrapped)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    origin = typing.get_origin(annotation) or annotation
+    return {bool: "bool", dict: "dict", list: "list"}.get(origin, "scalar")
+
+
+def _shown_default(field) -> str:
+    default = field.get_default(call_default_factory=True)
+    if default is None or default == {}:
+        return "unset"
+    if isinstance(default, list):
+        return " ".join(map(str, default))
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def _add_setting_flag(p: argparse.ArgumentParser, name: str, field) -> None:
+    extra = field.json_schema_extra or {}
+    flag = "--" + extra.get("flag", name.replace("_", "-"))
+    kind = _kind(field.annotation)
+    help_text = (f"{field.description} (default: {_shown_default(field)}; env LONGDOC_{name.upper()})"
+                 .replace("%", "%%"))
+    kwargs = dict(dest=name, default=None, help=help_text)
+    if kind == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif kind in ("dict", "list"):
+        kwargs.update(action="append", metavar=extra.get("metavar", "VALUE"))
+    else:
+        kwargs["metavar"] = extra.get("metavar", name.upper())
+    p.add_argument(flag, **kwargs)
+
+
+def _pairs(flag: str, values: list[str], metavar: str) -> dict[str, str]:
+    """`KEY=VALUE` flags (repeatable) -> ordered mapping."""
+    pairs: dict[str, str] = {}
+    for value in values:
+        key, sep, item = value.partition("=")
+        if not sep or not key or not item:
+            raise ValueError(f"{flag} {value!r}: expected {metavar}")
+        if key in pairs:
+            raise ValueError(f"{flag} {key!r} given twice")
+        pairs[key] = item
+    return pairs
+
+
+def build_settings(args: argparse.Namespace):
+    """Settings from LONGDOC_* variables with the flags given on top (a flag replaces a variable's
+    value whole); with no models at all, every exported model under models/."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    overrides = {}
+    for name, field in Settings.model_fields.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if _kind(field.annotation) == "dict":
+            extra = field.json_schema_extra or {}
+            value = _pairs("--" + extra["flag"], value, extra["metavar"])
+        overrides[name] = value
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise ValueError(settings_error(exc)) from None
+    if not settings.models:
+        settings = settings.model_copy(update={"models": default_model_dirs()})
+    return settings
+
+
+def settings_error(exc) -> str:
+    """A pydantic ValidationError of Settings as one line naming the flag and the variable."""
+    from service.settings import Settings
+
+    parts = []
+    for e in exc.errors():
+        name = str(e["loc"][0]) if e["loc"] else ""
+        field = Settings.model_fields.get(name)
+        if field is None:  # a check across fields (model validator)
+            parts.append(e["msg"].removeprefix("Value error, "))
+            continue
+        flag = "--" + (field.json_schema_extra or {}).get("flag", name.replace("_", "-"))
+        parts.append(f"{flag} (LONGDOC_{name.upper()}) {e['input']!r}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def default_model_dirs() -> dict[str, Path]:
@@ -38,35 +129,26 @@ def default_model_dirs() -> dict[str, Path]:
         found = {d.name: d for d in sorted(root.glob("*")) if (d / "manifest.json").is_file()}
         if found:
             return found
-    raise SystemExit(
-        "longdoc serve: no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
+    raise ValueError(
+        "no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
         "(e.g. `longdoc export CHECKPOINT_DIR models/qa --task qa`), or put exported model directories "
-        f"under {roots[0]}/ (see docs/service.md)."
+        f"under {roots[1]}/ (see docs/service.md)."
     )
 
 
-def build_settings(args: argparse.Namespace):
-    from service.settings import Settings, parse_model_flags
+def check_models(settings) -> None:
+    """Every model directory is an export (a readable manifest.json) and every --default-model names
+    a served model of its task: one clear line before start-up, not a traceback from the lifespan."""
+    from export.manifest import Manifest, ManifestError
+    from service.settings import choose_default_models
 
-    flags = {
-        "host": args.host, "port": args.port, "threads": args.threads,
-        "max_batch_tokens": args.max_batch_tokens, "max_batch_size": args.max_batch_size,
-        "max_wait_ms": args.max_wait_ms, "max_queue_tokens": args.max_queue_tokens,
-        "shutdown_grace_s": args.shutdown_grace_s,
-    }
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    if args.device:
-        overrides["devices"] = args.device
-    if args.no_batching:
-        overrides["batching"] = False
-    if args.no_warmup:
-        overrides["warmup"] = False
-    settings = Settings(**overrides)  # flags win over LONGDOC_* variables
-    if args.model:  # replace, not merge with, LONGDOC_MODELS (pydantic-settings merges dicts)
-        settings = settings.model_copy(update={"models": parse_model_flags(args.model)})
-    if not settings.models:
-        settings = settings.model_copy(update={"models": default_model_dirs()})
-    return settings
+    tasks = {}
+    for name, directory in settings.models.items():
+        try:
+            tasks[name] = Manifest.load(directory).task
+        except ManifestError as exc:
+            raise ValueError(f"model {name}: {exc}") from None
+    choose_default_models(settings.default_models, tasks)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -77,8 +159,9 @@ def serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = build_settings(args)
+    check_models(settings)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
 
     class Server(uvicorn.Server):
@@ -86,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
             app.state.service.begin_drain()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0

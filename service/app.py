@@ -24,6 +24,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from export import windows as W
+from longdoc import __version__
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
 from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
@@ -290,7 +291,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
     # /docs and /redoc load their scripts from this package, not a CDN: a machine without internet
     # access (many clusters) shows them too
-    app = FastAPIOffline(title="longdoc", version="0.1.0", lifespan=lifespan,
+    app = FastAPIOffline(title="longdoc", version=__version__, lifespan=lifespan,
                          description="Question answering, summarization and classification over long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536

@@ -21,15 +21,15 @@ def add_commands(subparsers) -> None:
     try:
         from service.settings import Settings
     except ModuleNotFoundError as exc:  # pydantic-settings & co. come with the serve extra
-        p.set_defaults(func=lambda args: _missing_extra(exc))
+        p.set_defaults(func=lambda args: _raise(exc))  # longdoc.cli names the extra to install
         return
     for name, field in Settings.model_fields.items():
         _add_setting_flag(p, name, field)
     p.set_defaults(func=serve)
 
 
-def _missing_extra(exc: ModuleNotFoundError) -> int:
-    raise SystemExit(f"longdoc serve: error: {exc}; install longdoc[serve] (or longdoc[gpu] for CUDA)")
+def _raise(exc: Exception) -> int:
+    raise exc
 
 
 def _kind(annotation) -> str:

@@ -176,3 +176,14 @@ def test_ready_gauge_multiprocess_mode_is_the_minimum_over_processes(tmp_path):
     assert sample(process("ready"), "longdoc_ready") == 1.0
     assert sample(process("ready"), "longdoc_ready") == 1.0  # both ready
     assert sample(process("loading"), "longdoc_ready") == 0.0  # one is not
+
+
+def test_metrics_have_no_created_series():
+    async def go():
+        async with running_app() as c:
+            await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+            return (await c.get("/metrics")).text
+
+    text = run(go())
+    assert "longdoc_request_duration_seconds_count" in text
+    assert [line for line in text.splitlines() if "_created" in line] == []

@@ -14,7 +14,7 @@ _COMMAND_MODULES = ("service.cli", "export.cli", "export.eval_cli", "model.cli")
 
 
 # which extra installs a module that a command imports (the core install has neither torch nor the service)
-EXTRAS = {"torch": "torch", "onnx": "torch", "safetensors": "torch", "onnxscript": "torch",
+EXTRAS = {"torch": "torch", "onnx": "torch", "safetensors": "torch",
           "transformers": "dev", "onnxruntime": "serve", "fastapi": "serve", "uvicorn": "serve",
           "pydantic": "serve", "pydantic_settings": "serve", "prometheus_client": "serve",
           "fastapi_offline": "serve"}

@@ -97,3 +97,17 @@ def test_default_model_choice():
     assert choose_default_models({"qa": "myqa", "summarize": "sum1"}, tasks) == {"qa": "myqa", "summarize": "sum1"}
     with pytest.raises(ValueError, match="--default-model qa=sum1: sum1 is a summarize model"):
         choose_default_models({"qa": "sum1"}, tasks)
+
+
+def test_no_models_names_the_directory_searched_not_the_package(tmp_path, monkeypatch):
+    """Installed (the container), the package's own models/ is in site-packages and empty; the
+    message names ./models, where the image puts them (/models with the working directory /)."""
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "service" / "cli.py"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as exc:
+        cli.build_settings(serve_parser().parse_args(["serve"]))
+    assert f"under {tmp_path}/models/" in str(exc.value) and "site-packages" not in str(exc.value)
+    export = tmp_path / "models" / "qa"
+    export.mkdir(parents=True)
+    (export / "manifest.json").write_text("{}")
+    assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"qa": export}

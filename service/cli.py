@@ -41,6 +41,16 @@ def _kind(annotation) -> str:
     return {bool: "bool", dict: "dict", list: "list"}.get(origin, "scalar")
 
 
+def flag_of(name: str, field) -> str:
+    """A Settings field's flag: --max-batch-tokens for max_batch_tokens, or json_schema_extra's "flag"."""
+    return "--" + (field.json_schema_extra or {}).get("flag", name.replace("_", "-"))
+
+
+def _metavar(name: str, field) -> str:
+    default = {"dict": "KEY=VALUE", "list": "VALUE"}.get(_kind(field.annotation), name.upper())
+    return (field.json_schema_extra or {}).get("metavar", default)
+
+
 def _shown_default(field) -> str:
     default = field.get_default(call_default_factory=True)
     if default is None or default == {}:
@@ -53,19 +63,14 @@ def _shown_default(field) -> str:
 
 
 def _add_setting_flag(p: argparse.ArgumentParser, name: str, field) -> None:
-    extra = field.json_schema_extra or {}
-    flag = "--" + extra.get("flag", name.replace("_", "-"))
-    kind = _kind(field.annotation)
     help_text = (f"{field.description} (default: {_shown_default(field)}; env LONGDOC_{name.upper()})"
                  .replace("%", "%%"))
-    kwargs = dict(dest=name, default=None, help=help_text)
+    kind = _kind(field.annotation)
     if kind == "bool":
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif kind in ("dict", "list"):
-        kwargs.update(action="append", metavar=extra.get("metavar", "VALUE"))
+        kwargs = dict(action=argparse.BooleanOptionalAction)
     else:
-        kwargs["metavar"] = extra.get("metavar", name.upper())
-    p.add_argument(flag, **kwargs)
+        kwargs = dict(action="append" if kind in ("dict", "list") else "store", metavar=_metavar(name, field))
+    p.add_argument(flag_of(name, field), dest=name, default=None, help=help_text, **kwargs)
 
 
 def _pairs(flag: str, values: list[str], metavar: str) -> dict[str, str]:
@@ -94,8 +99,7 @@ def build_settings(args: argparse.Namespace):
         if value is None:
             continue
         if _kind(field.annotation) == "dict":
-            extra = field.json_schema_extra or {}
-            value = _pairs("--" + extra["flag"], value, extra["metavar"])
+            value = _pairs(flag_of(name, field), value, _metavar(name, field))
         overrides[name] = value
     try:
         settings = Settings(**overrides)
@@ -117,8 +121,7 @@ def settings_error(exc) -> str:
         if field is None:  # a check across fields (model validator)
             parts.append(e["msg"].removeprefix("Value error, "))
             continue
-        flag = "--" + (field.json_schema_extra or {}).get("flag", name.replace("_", "-"))
-        parts.append(f"{flag} (LONGDOC_{name.upper()}) {e['input']!r}: {e['msg'].removeprefix('Value error, ')}")
+        parts.append(f"{flag_of(name, field)} (LONGDOC_{name.upper()}) {e['input']!r}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
 
 

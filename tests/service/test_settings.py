@@ -20,7 +20,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def other_value(name: str, field) -> tuple[list[str], str, object]:
     """A value unlike the field's default: (flag arguments, variable value, expected setting)."""
-    flag = "--" + (field.json_schema_extra or {}).get("flag", name.replace("_", "-"))
+    flag = cli.flag_of(name, field)
     annotation = field.annotation
     default = field.get_default(call_default_factory=True)
     kinds = {a for a in typing.get_args(annotation) if a is not type(None)} or {annotation}
@@ -111,3 +111,7 @@ def test_no_models_names_the_directory_searched_not_the_package(tmp_path, monkey
     export.mkdir(parents=True)
     (export / "manifest.json").write_text("{}")
     assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"qa": export}
+
+
+def test_every_setting_has_a_description_for_its_help():
+    assert [name for name, field in Settings.model_fields.items() if not field.description] == []

@@ -14,8 +14,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
                                           "tokenizer.json")
     p.add_argument("output_dir", help="model directory to write (manifest.json, encoder.onnx, ...)")
-    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize"],
+                   help="what the model directory serves (required; must match the checkpoint's architecture)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"],
+                   help="weights of the graphs; int8: dynamic quantization of the MatMul weights (default: fp32)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],
                    help="random-block plan of the layout the runtime builds (default: hf-train, what the "
                         "public checkpoints were trained with)")
@@ -28,7 +32,7 @@ def add_commands(subparsers) -> None:
     v.add_argument("--checkpoint", required=True, help="the checkpoint directory it was exported from")
     v.add_argument("--against", default="model", choices=["model", "transformers"],
                    help="reference: our PyTorch model (default) or transformers")
-    v.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    v.add_argument("--lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="comma-separated sequence lengths (default: min, threshold, non-multiples, max)")
     v.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
     v.add_argument("--allow-other-checkpoint", action="store_true",
@@ -52,6 +56,17 @@ def add_commands(subparsers) -> None:
     v.set_defaults(func=_verify)
 
 
+def _lengths(text: str) -> list[int]:
+    """`--lengths 512,1024` -> [512, 1024] (an argparse type: its ValueError message is shown)."""
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token counts, e.g. 512,1024") from None
+    if any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"{text!r}: lengths must be at least 1")
+    return lengths
+
+
 def _export(args: argparse.Namespace) -> int:
     import time
 
@@ -59,7 +74,7 @@ def _export(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
-                     progress=lambda msg: print(f"[export] {msg}", flush=True))
+                     progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite)
     print(f"exported {m.architecture} ({m.task}, {m.dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"
           f"  graphs: {', '.join(m.graphs.values())}; layers {m.num_layers}, heads {m.num_heads}, "

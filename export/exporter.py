@@ -127,9 +127,26 @@ def _versions() -> dict:
     return versions
 
 
+def check_output_dir(output_dir: Path, checkpoint_dir: Path, overwrite: bool) -> None:
+    """Refuse an output directory that holds a checkpoint (with the arguments swapped, export would
+    overwrite the checkpoint's tokenizer.json), and a non-empty one unless `overwrite`."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise CheckpointError(f"output {output_dir}: not a directory")
+    if output_dir.resolve() == checkpoint_dir.resolve() or any(
+            (output_dir / name).exists() for name in ("config.json", *WEIGHT_FILES)):
+        raise CheckpointError(f"output {output_dir} holds a checkpoint (config.json or weights); export writes "
+                              f"a new directory (are CHECKPOINT_DIR and OUTPUT_DIR swapped?)")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"output {output_dir} is not empty; pass --overwrite to replace it")
+
+
 def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
-                 plan: str = "hf-train", progress: Callable[[str], None] = print) -> Manifest:
+                 plan: str = "hf-train", progress: Callable[[str], None] = print,
+                 overwrite: bool = False) -> Manifest:
+    """Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
+    export leaves nothing half-written, and an export it replaces (`overwrite`) stays whole until then."""
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    check_output_dir(output_dir, checkpoint_dir, overwrite)
     if dtype not in ("fp32", "fp16", "int8"):
         raise CheckpointError(f"dtype {dtype!r} is not one of fp32, fp16, int8")
     if plan not in PLANS:
@@ -169,34 +186,52 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for name, model in graphs.items():
-        path = output_dir / f"{name}.onnx"
-        if dtype == "int8":
-            progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights)")
-            quantize_int8(model, path)
-        else:
-            save_model(model, path)
-        progress(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    shutil.copyfile(tokenizer, output_dir / "tokenizer.json")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".partial", dir=output_dir.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's directory is private
+        for name, model in graphs.items():
+            path = staging / f"{name}.onnx"
+            if dtype == "int8":
+                progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights)")
+                quantize_int8(model, path)
+            else:
+                save_model(model, path)
+            progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
+        shutil.copyfile(tokenizer, staging / "tokenizer.json")
 
-    labels = None
-    if task == "classify":
-        id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
-        labels = [id2label[str(i)] for i in range(len(id2label))]
-    max_length = (int(config["max_position_embeddings"]) // bs) * bs
-    special = special_token_ids(checkpoint_dir)
-    manifest = Manifest(
-        task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
-        graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
-        num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
-        full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
-        special_tokens=special, decoder=decoder,
-        source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
-        versions=_versions())
-    manifest.save(output_dir)
-    progress(f"wrote {output_dir / 'manifest.json'}")
+        labels = None
+        if task == "classify":
+            id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+            labels = [id2label[str(i)] for i in range(len(id2label))]
+        max_length = (int(config["max_position_embeddings"]) // bs) * bs
+        special = special_token_ids(checkpoint_dir)
+        manifest = Manifest(
+            task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
+            graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
+            num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
+            full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
+            special_tokens=special, decoder=decoder,
+            source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
+            versions=_versions())
+        manifest.save(staging)
+        replace_dir(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    progress(f"wrote {output_dir}")
     return manifest
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an existing `target` is moved aside first and deleted after."""
+    if not target.exists():
+        new.rename(target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    target.rename(old / target.name)
+    new.rename(target)
+    shutil.rmtree(old)
 
 
 # the manifest's generation defaults; eos and pad come from its special tokens (export.generation)

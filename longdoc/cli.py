@@ -13,10 +13,32 @@ import sys
 _COMMAND_MODULES = ("service.cli", "export.cli", "export.eval_cli", "model.cli")
 
 
+# which extra installs a module that a command imports (the core install has neither torch nor the service)
+EXTRAS = {"torch": "torch", "onnx": "torch", "safetensors": "torch",
+          "transformers": "dev", "onnxruntime": "serve", "fastapi": "serve", "uvicorn": "serve",
+          "pydantic": "serve", "pydantic_settings": "serve", "prometheus_client": "serve",
+          "fastapi_offline": "serve"}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help shows its default: "(default: X)" is added unless the help says it
+    already (an option whose default is None says in words what unset means); a flag's is "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.required or "default" in text
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: {'off' if action.default is False else '%(default)s'})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from longdoc import __version__
+
     parser = argparse.ArgumentParser(
         prog="longdoc", description="Long-document BigBird models: train, export to ONNX, verify, evaluate, serve."
     )
+    parser.add_argument("--version", action="version", version=f"longdoc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -26,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_commands(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -39,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+        top = (exc.name or "").partition(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"longdoc {args.command}: error: {exc}; install longdoc[{EXTRAS[top]}] "
+              f"(see README.md: Set-up)", file=sys.stderr)
+        return 1
     except Exception as exc:  # a clear one-line error for users; tracebacks with LONGDOC_DEBUG=1
         import os
 

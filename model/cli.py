@@ -3,8 +3,6 @@ the command functions, so `longdoc serve` works without it."""
 
 from __future__ import annotations
 
-import argparse
-
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
@@ -15,60 +13,62 @@ def add_commands(subparsers) -> None:
             "OUTPUT/checkpoint-STEP/ (resumable) and the final model in OUTPUT/ (Hugging Face format). "
             "Data formats: docs/training.md."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--task", required=True, choices=("mlm", "qa", "classify", "summarize"))
+    p.add_argument("--task", required=True, choices=("mlm", "qa", "classify", "summarize"), help="training objective")
     p.add_argument("--model", required=True, help="checkpoint dir to start from, or a config.json (random init)")
     p.add_argument("--train", required=True, help="training JSONL")
-    p.add_argument("--eval", default=None, help="evaluation JSONL (eval loss every --eval-every steps)")
+    p.add_argument("--eval", default=None,
+                   help="evaluation JSONL (eval loss every --eval-every steps; default: no evaluation)")
     p.add_argument("--output", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or its dir (default: the model's dir)")
     p.add_argument("--max-length", type=int, default=None, help="encoder tokens (default: max_position_embeddings)")
     p.add_argument("--max-target-length", type=int, default=256, help="summarize: summary tokens")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW, linear decay)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: --warmup-ratio of the steps")
-    p.add_argument("--warmup-ratio", type=float, default=0.06)
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--warmup-ratio", type=float, default=0.06, help="share of the steps warming up")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training data")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="optimizer steps, overriding --epochs (default: from --epochs)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
+    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--eval-every", type=int, default=500, help="0: only at the end")
     p.add_argument("--save-every", type=int, default=500, help="0: only at the end")
-    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest OUTPUT/checkpoint-* kept")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 autocast on CUDA where supported, else fp16; fp32 on CPU")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, masking)")
     p.add_argument("--plan", choices=("hf-train", "hf-eval", "seeded"), default="hf-train",
                    help="random-block plan (hf-train: the blocks the public checkpoints were trained with)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the latest OUTPUT/checkpoint-* (or the given checkpoint dir)")
-    p.add_argument("--mlm-probability", type=float, default=0.15)
+                   help="continue from the latest OUTPUT/checkpoint-* (or the given checkpoint dir; "
+                        "default: start afresh)")
+    p.add_argument("--mlm-probability", type=float, default=0.15, help="mlm: share of tokens masked")
     p.add_argument("--qa-long-context", choices=("window", "truncate"), default="window",
                    help="qa: contexts longer than max-length become overlapping windows, or are cut")
     p.add_argument("--doc-stride", type=int, default=256, help="qa windows: context tokens between window starts")
-    p.add_argument("--max-question-length", type=int, default=64)
+    p.add_argument("--max-question-length", type=int, default=64, help="qa: question tokens kept")
     p.add_argument("--qa-negative-windows", type=float, default=1.0,
                    help="qa windows: share of windows without the answer that is kept (0: only answer windows)")
     p.add_argument("--labels", default=None, help="classify: comma-separated label names (default: from the data)")
-    p.add_argument("--dropout", type=float, default=None, help="override the config's dropout probabilities")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="override the config's dropout probabilities (default: the config's)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_train)
 
     w = subparsers.add_parser(
         "warmstart",
         help="make a long-context BigBird checkpoint from a BERT/RoBERTa/BigBird encoder",
         description="Copy the encoder; grow the position table to --max-length by repeating it (BigBird paper).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     w.add_argument("source", help="checkpoint dir (config.json + model.safetensors | pytorch_model.bin)")
     w.add_argument("destination", help="output dir")
-    w.add_argument("--max-length", type=int, default=4096)
-    w.add_argument("--block-size", type=int, default=64)
-    w.add_argument("--num-random-blocks", type=int, default=3)
+    w.add_argument("--max-length", type=int, default=4096, help="positions of the new checkpoint")
+    w.add_argument("--block-size", type=int, default=64, help="block-sparse attention block size")
+    w.add_argument("--num-random-blocks", type=int, default=3, help="random key blocks per query block")
     w.set_defaults(func=_warmstart)
 
 

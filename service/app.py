@@ -20,9 +20,11 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from export import windows as W
+from longdoc import __version__
 from model.search import resolve_settings
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
@@ -30,7 +32,7 @@ from service.errors import (
     InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, TooLarge, Unavailable, UnsupportedMediaType,
 )
 from service.metrics import Metrics, length_buckets, length_label
-from service.settings import Settings
+from service.settings import Settings, choose_default_models
 from service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
     QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens, validate_classify,
@@ -123,7 +125,8 @@ class Service:
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
-            self.defaults.setdefault(info.task, name)
+        self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
+        log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
         self.ready = True
         self.metrics.refresh_ready()
         log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
@@ -320,8 +323,10 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         yield
         await service.stop()
 
-    app = FastAPI(title="longdoc", version="0.1.0", lifespan=lifespan,
-                  description="Question answering, summarization and classification over long documents.")
+    # /docs and /redoc load their scripts from this package, not a CDN: a machine without internet
+    # access (many clusters) shows them too
+    app = FastAPIOffline(title="longdoc", version=__version__, lifespan=lifespan,
+                         description="Question answering, summarization and classification over long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     # a request's strings and separators: its fields (a dozen keys and values) and documents
@@ -338,11 +343,12 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     async def _validation_error(request: Request, exc: RequestValidationError):
         parts = []
         for e in exc.errors()[:5]:
+            if e.get("type") == "json_invalid":  # loc is ("body", character offset)
+                error = (e.get("ctx") or {}).get("error", "not valid JSON")
+                parts.append(f"body is not valid JSON: {error} at character {e['loc'][-1]}")
+                continue
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-            msg = e.get("msg", "invalid")
-            if e.get("type") == "json_invalid":
-                msg = "body is not valid JSON (or not valid UTF-8)"
-            parts.append(f"{where}: {msg}")
+            parts.append(f"{where}: {e.get('msg', 'invalid')}")
         endpoint = request.url.path.rsplit("/", 1)[-1]
         if endpoint in TASKS:
             service.metrics.failures.labels(endpoint, "validation").inc()

@@ -1,8 +1,14 @@
-"""`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level."""
+"""`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level.
+
+Its flags are derived from `service.settings.Settings`: one flag per field (`max_batch_tokens` ->
+`--max-batch-tokens`), the field's description as help, its default and its `LONGDOC_*` variable
+shown, so a new setting is reachable by flag and by variable without touching this file."""
 
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 from pathlib import Path
 
 SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
@@ -12,33 +18,113 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve exported models over HTTP",
         description="Serve exported model directories over HTTP (QA, summarization, classification). "
-                    "Flags override LONGDOC_* environment variables; see docs/service.md.",
+                    "Every flag is also a LONGDOC_* environment variable; flags win. See docs/service.md.",
     )
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--model", action="append", metavar="NAME=DIR", default=[],
-                   help="a model directory written by `longdoc export` (repeatable); default: every model "
-                        "under <repo>/models/")
-    p.add_argument("--device", action="append", default=[], metavar="cpu|cuda|cuda:N",
-                   help="repeatable: one worker per device for each encoder model (default cpu)")
-    p.add_argument("--threads", type=int, help="intra-op threads per CPU worker (default: ONNX Runtime's choice)")
-    p.add_argument("--max-batch-tokens", type=int,
-                   help="padded tokens per batch (default per device: 1024 on cpu, 16384 on cuda)")
-    p.add_argument("--max-batch-size", type=int, help="sequences per batch (default 32)")
-    p.add_argument("--max-wait-ms", type=float,
-                   help="how long the oldest sequence waits for a fuller batch (default 2)")
-    p.add_argument("--max-queue-tokens", type=int,
-                   help="queued tokens per model (default 262144; a share of it, LONGDOC_SMALL_REQUEST_SHARE "
-                        "default 0.25, is kept for small requests)")
-    p.add_argument("--no-batching", action="store_true",
-                   help="run every sequence alone, for comparison (default: batching on)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the warm-up pass at the maximum length (default: warm up)")
-    p.add_argument("--shutdown-grace-s", type=float,
-                   help="seconds to finish in-flight work on SIGTERM; what is left is answered 503 "
-                        "shutting_down (default 30)")
-    p.add_argument("--log-level", default="info", help="uvicorn and service log level (default info)")
+    try:
+        from service.settings import Settings
+    except ModuleNotFoundError as exc:  # pydantic-settings & co. come with the serve extra
+        p.set_defaults(func=lambda args: _raise(exc))  # longdoc.cli names the extra to install
+        return
+    for name, field in Settings.model_fields.items():
+        _add_setting_flag(p, name, field)
     p.set_defaults(func=serve)
+
+
+def _raise(exc: Exception) -> int:
+    raise exc
+
+
+def _kind(annotation) -> str:
+    """"bool" | "dict" | "list" | "scalar" for a Settings field's type (Optional unwrapped)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    origin = typing.get_origin(annotation) or annotation
+    return {bool: "bool", dict: "dict", list: "list"}.get(origin, "scalar")
+
+
+def flag_of(name: str, field) -> str:
+    """A Settings field's flag: --max-batch-tokens for max_batch_tokens, or json_schema_extra's "flag"."""
+    return "--" + (field.json_schema_extra or {}).get("flag", name.replace("_", "-"))
+
+
+def _metavar(name: str, field) -> str:
+    default = {"dict": "KEY=VALUE", "list": "VALUE"}.get(_kind(field.annotation), name.upper())
+    return (field.json_schema_extra or {}).get("metavar", default)
+
+
+def _shown_default(field) -> str:
+    default = field.get_default(call_default_factory=True)
+    if default is None or default == {}:
+        return "unset"
+    if isinstance(default, list):
+        return " ".join(map(str, default))
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def _add_setting_flag(p: argparse.ArgumentParser, name: str, field) -> None:
+    help_text = (f"{field.description} (default: {_shown_default(field)}; env LONGDOC_{name.upper()})"
+                 .replace("%", "%%"))
+    kind = _kind(field.annotation)
+    if kind == "bool":
+        kwargs = dict(action=argparse.BooleanOptionalAction)
+    else:
+        kwargs = dict(action="append" if kind in ("dict", "list") else "store", metavar=_metavar(name, field))
+    p.add_argument(flag_of(name, field), dest=name, default=None, help=help_text, **kwargs)
+
+
+def _pairs(flag: str, values: list[str], metavar: str) -> dict[str, str]:
+    """`KEY=VALUE` flags (repeatable) -> ordered mapping."""
+    pairs: dict[str, str] = {}
+    for value in values:
+        key, sep, item = value.partition("=")
+        if not sep or not key or not item:
+            raise ValueError(f"{flag} {value!r}: expected {metavar}")
+        if key in pairs:
+            raise ValueError(f"{flag} {key!r} given twice")
+        pairs[key] = item
+    return pairs
+
+
+def build_settings(args: argparse.Namespace):
+    """Settings from LONGDOC_* variables with the flags given on top (a flag replaces a variable's
+    value whole); with no models at all, every exported model under models/."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    overrides = {}
+    for name, field in Settings.model_fields.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if _kind(field.annotation) == "dict":
+            value = _pairs(flag_of(name, field), value, _metavar(name, field))
+        overrides[name] = value
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise ValueError(settings_error(exc)) from None
+    if not settings.models:
+        settings = settings.model_copy(update={"models": default_model_dirs()})
+    return settings
+
+
+def settings_error(exc) -> str:
+    """A pydantic ValidationError of Settings as one line naming the flag and the variable."""
+    from service.settings import Settings
+
+    parts = []
+    for e in exc.errors():
+        name = str(e["loc"][0]) if e["loc"] else ""
+        field = Settings.model_fields.get(name)
+        if field is None:  # a check across fields (model validator)
+            parts.append(e["msg"].removeprefix("Value error, "))
+            continue
+        parts.append(f"{flag_of(name, field)} (LONGDOC_{name.upper()}) {e['input']!r}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def default_model_dirs() -> dict[str, Path]:
@@ -48,35 +134,26 @@ def default_model_dirs() -> dict[str, Path]:
         found = {d.name: d for d in sorted(root.glob("*")) if (d / "manifest.json").is_file()}
         if found:
             return found
-    raise SystemExit(
-        "longdoc serve: no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
+    raise ValueError(
+        "no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
         "(e.g. `longdoc export CHECKPOINT_DIR models/qa --task qa`), or put exported model directories "
-        f"under {roots[0]}/ (see docs/service.md)."
+        f"under {roots[1]}/ (see docs/service.md)."
     )
 
 
-def build_settings(args: argparse.Namespace):
-    from service.settings import Settings, parse_model_flags
+def check_models(settings) -> None:
+    """Every model directory is an export (a readable manifest.json) and every --default-model names
+    a served model of its task: one clear line before start-up, not a traceback from the lifespan."""
+    from export.manifest import Manifest, ManifestError
+    from service.settings import choose_default_models
 
-    flags = {
-        "host": args.host, "port": args.port, "threads": args.threads,
-        "max_batch_tokens": args.max_batch_tokens, "max_batch_size": args.max_batch_size,
-        "max_wait_ms": args.max_wait_ms, "max_queue_tokens": args.max_queue_tokens,
-        "shutdown_grace_s": args.shutdown_grace_s,
-    }
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    if args.device:
-        overrides["devices"] = args.device
-    if args.no_batching:
-        overrides["batching"] = False
-    if args.no_warmup:
-        overrides["warmup"] = False
-    settings = Settings(**overrides)  # flags win over LONGDOC_* variables
-    if args.model:  # replace, not merge with, LONGDOC_MODELS (pydantic-settings merges dicts)
-        settings = settings.model_copy(update={"models": parse_model_flags(args.model)})
-    if not settings.models:
-        settings = settings.model_copy(update={"models": default_model_dirs()})
-    return settings
+    tasks = {}
+    for name, directory in settings.models.items():
+        try:
+            tasks[name] = Manifest.load(directory).task
+        except ManifestError as exc:
+            raise ValueError(f"model {name}: {exc}") from None
+    choose_default_models(settings.default_models, tasks)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -87,8 +164,9 @@ def serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = build_settings(args)
+    check_models(settings)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
 
     class Server(uvicorn.Server):
@@ -99,7 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     # the service answers whatever is still running when the grace is over (503 shutting_down,
     # `event: error` on streams); uvicorn's own limit comes later, so it never cancels a request
     # and answers its plain-text 500 instead
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
                             access_log=False)
     server = Server(config)

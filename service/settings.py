@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,45 +22,78 @@ GPU_MAX_BATCH_TOKENS = 16384
 
 
 class Settings(BaseSettings):
+    """Every field is a `LONGDOC_<FIELD>` variable and a `longdoc serve --<field>` flag (service/cli.py
+    derives the flags from these fields: a field's description is its help). `json_schema_extra`
+    "flag" names a repeatable flag in the singular (`--model qa=models/qa --model ...`)."""
+
     model_config = SettingsConfigDict(env_prefix="LONGDOC_", frozen=True, extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    # name -> model directory (export/ layout, manifest.json). Order matters: the first model of
-    # a task is that task's default.
-    models: dict[str, Path] = Field(default_factory=dict)
-    # "cpu", "cuda" or "cuda:N"; each encoder model gets one worker per device.
-    devices: list[str] = Field(default_factory=lambda: ["cpu"])
-    threads: int | None = Field(None, ge=1, description="intra-op threads per CPU worker")
-    tokenizer_threads: int = Field(2, ge=1)
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="port; 0 = any free port")
+    models: dict[str, Path] = Field(
+        default_factory=dict, json_schema_extra={"flag": "model", "metavar": "NAME=DIR"},
+        description="a model directory written by `longdoc export`, served as NAME (repeatable); "
+                    "unset: every model directory under models/")
+    default_models: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra={"flag": "default-model", "metavar": "TASK=NAME"},
+        description="the model that answers a TASK request naming no model (repeatable); unset: the model "
+                    "named after its task (the shipped models/qa, models/summarize, models/classify), "
+                    "else the task's first model in --model order")
+    devices: list[str] = Field(
+        default_factory=lambda: ["cpu"], json_schema_extra={"flag": "device", "metavar": "cpu|cuda|cuda:N"},
+        description="one worker per device for each encoder model (repeatable)")
+    threads: int | None = Field(None, ge=1, description="intra-op threads per CPU worker; unset: ONNX Runtime's")
+    tokenizer_threads: int = Field(2, ge=1, description="threads tokenizing requests")
 
     # dynamic batching (per model)
-    batching: bool = True  # False: every sequence runs alone (max_batch_size 1, no wait)
+    batching: bool = Field(True, description="dynamic batching; off: every sequence runs alone (for comparison)")
     max_batch_tokens: int | None = Field(
-        None, ge=1, description="padded tokens per batch; unset: per device (batch_tokens_for)")
-    max_batch_size: int = Field(32, ge=1)
-    max_wait_ms: float = Field(2.0, ge=0)
+        None, ge=1, description=f"padded tokens per batch; unset: per device, {CPU_MAX_BATCH_TOKENS} on cpu "
+                                f"and {GPU_MAX_BATCH_TOKENS} on cuda")
+    max_batch_size: int = Field(32, ge=1, description="sequences per batch")
+    max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits to fill up")
     max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
     # the share of max_queue_tokens that only small requests may fill (docs/service.md, "Admission
     # and fairness"); a request over the rest is refused with 413
-    small_request_share: float = Field(0.25, ge=0, lt=1)
+    small_request_share: float = Field(0.25, ge=0, lt=1, description="share of max_queue_tokens kept for small requests")
     max_decode_batch: int = Field(16, ge=1, description="sequences decoding together (summarize)")
 
     # request limits
-    max_document_bytes: int = Field(2_000_000, ge=1)
-    max_document_tokens: int = Field(65536, ge=1)
-    max_documents: int = Field(16, ge=1)
-    qa_stride: int | None = Field(None, ge=1, description="QA window stride in tokens; default half a window")
-    classify_stride: int | None = Field(None, ge=1, description="default: windows do not overlap")
-    request_timeout_s: float = Field(60.0, gt=0)
-    max_request_timeout_s: float = Field(600.0, gt=0)
+    max_document_bytes: int = Field(2_000_000, ge=1, description="bytes per document (413 beyond)")
+    max_document_tokens: int = Field(65536, ge=1, description="tokens per document (413 beyond)")
+    max_documents: int = Field(16, ge=1, description="documents per request")
+    qa_stride: int | None = Field(None, ge=1, description="QA window stride in tokens; unset: half a window")
+    classify_stride: int | None = Field(None, ge=1, description="classify window stride; unset: windows do not "
+                                                                "overlap")
+    request_timeout_s: float = Field(60.0, gt=0, description="deadline of a request without X-Request-Timeout")
+    max_request_timeout_s: float = Field(600.0, gt=0, description="the largest X-Request-Timeout accepted")
 
     # lifecycle
-    warmup: bool = True  # run each worker once at the maximum length before /readyz says yes
-    shutdown_grace_s: float = Field(30.0, ge=0)
-    worker_restart_backoff_s: float = Field(0.5, ge=0)
+    warmup: bool = Field(True, description="run each worker once at the maximum length before /readyz says yes")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
+    worker_restart_backoff_s: float = Field(0.5, ge=0, description="pause before restarting a failed worker")
     stream_keepalive_s: float = Field(15.0, gt=0, description="SSE comment after this long without a token")
     worker_restart_max_backoff_s: float = Field(10.0, ge=0, description="restart back-off doubles up to this")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="critical, error, warning, info or debug")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # A value given directly (a flag, a test) replaces the variable's value whole: pydantic-settings
+        # would merge a dict's keys from both (LONGDOC_MODELS plus --model would serve both sets).
+        def env_not_given() -> dict:
+            given = init_settings()
+            return {k: v for k, v in env_settings().items() if k not in given}
+
+        return init_settings, env_not_given, dotenv_settings, file_secret_settings
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> Settings:
+        if self.request_timeout_s > self.max_request_timeout_s:
+            raise ValueError(f"request_timeout_s {self.request_timeout_s} exceeds max_request_timeout_s "
+                             f"{self.max_request_timeout_s}")
+        return self
 
     @field_validator("devices")
     @classmethod
@@ -69,7 +103,6 @@ class Settings(BaseSettings):
         if not devices:
             raise ValueError("at least one device")
         return devices
-
 
     def batch_tokens_for(self, device: str) -> int:
         """The padded-token budget of a batch on a worker of this device: `max_batch_tokens` if
@@ -91,14 +124,22 @@ def parse_device(device: str) -> tuple[str, int]:
     return "cuda", int(index)
 
 
-def parse_model_flags(flags: list[str]) -> dict[str, Path]:
-    """`NAME=DIR` flags (repeatable) -> ordered mapping."""
-    models: dict[str, Path] = {}
-    for flag in flags:
-        name, sep, directory = flag.partition("=")
-        if not sep or not name or not directory:
-            raise ValueError(f"--model {flag!r}: expected NAME=DIR")
-        if name in models:
-            raise ValueError(f"--model {name!r} given twice")
-        models[name] = Path(directory)
-    return models
+def choose_default_models(given: dict[str, str], tasks: dict[str, str]) -> dict[str, str]:
+    """task -> the model answering that task's requests that name no model. `given` is
+    `default_models` (task -> name), `tasks` the served models (name -> task, in settings order).
+    Unset for a task: the model named after its task (the shipped models/qa, models/summarize,
+    models/classify: a user's models/myqa beside them does not take over), else its first model."""
+    for task, name in given.items():
+        if task not in tasks.values():
+            raise ValueError(f"--default-model {task}={name}: no {task} model is served "
+                             f"(tasks: {', '.join(sorted(set(tasks.values()))) or 'none'})")
+        if tasks.get(name) != task:
+            why = f"{name} is a {tasks[name]} model" if name in tasks else f"no model is named {name!r}"
+            raise ValueError(f"--default-model {task}={name}: {why}")
+    defaults: dict[str, str] = {}
+    for name, task in tasks.items():
+        defaults.setdefault(task, name)
+    for task in defaults:
+        if tasks.get(task) == task:
+            defaults[task] = task
+    return defaults | given

@@ -162,6 +162,11 @@ def test_gpu_overlay_asks_for_a_gpu_and_cpu_does_not(rendered):
     assert json.loads(config_env(rendered["gpu"])["LONGDOC_DEVICES"]) == ["cuda"]
     assert json.loads(config_env(rendered["cpu"])["LONGDOC_DEVICES"]) == ["cpu"]
     assert gpu["image"].endswith(":gpu") and cpu["image"].endswith(":cpu")
+    # a CPU pod batches by the measured CPU default (docs/service.md), not a GPU-sized budget
+    from service.settings import CPU_MAX_BATCH_TOKENS, Settings
+
+    cpu_budget = config_env(rendered["cpu"]).get("LONGDOC_MAX_BATCH_TOKENS")
+    assert Settings(max_batch_tokens=cpu_budget).batch_tokens_for("cpu") == CPU_MAX_BATCH_TOKENS
     for c in (gpu, cpu):
         assert "memory" in c["resources"]["requests"] and "memory" in c["resources"]["limits"]
 

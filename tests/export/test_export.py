@@ -267,3 +267,48 @@ def test_tokenizer_files_name_the_special_tokens(tmp_path):
     (ckpt / "special_tokens_map.json").write_text(json.dumps({"sep_token": "[CLS]"}))
     manifest = export_model(ckpt, tmp_path / "model", "qa", progress=quiet)
     assert manifest.special_tokens["sep"] == CLS
+
+
+# --- the output directory ------------------------------------------------------------------------
+
+def test_export_refuses_a_non_empty_output_dir_unless_overwrite(tiny_qa_dir, tmp_path, capsys):
+    from longdoc.cli import main
+
+    out = tmp_path / "models" / "myqa"
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    ck = checkpoint_of(tiny_qa_dir)
+    assert main(["export", str(ck), str(out), "--task", "qa"]) == 1
+    assert "is not empty; pass --overwrite to replace it" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert main(["export", str(ck), str(out), "--task", "qa", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["encoder.onnx", "manifest.json", "tokenizer.json"]
+    assert [p.name for p in out.parent.iterdir()] == ["myqa"]  # no temporary sibling left
+
+
+def test_export_never_writes_into_a_checkpoint_dir(tiny_qa_dir, tmp_path):
+    ck = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint_of(tiny_qa_dir), ck)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for source in (ck, checkpoint_of(tiny_qa_dir)):  # the same directory, or the arguments swapped
+        with pytest.raises(CheckpointError, match="holds a checkpoint"):
+            export_model(source, ck, "qa", progress=quiet, overwrite=True)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_interrupted_export_leaves_nothing_half_written(tiny_qa_dir, tmp_path, existing):
+    out = tmp_path / "myqa"
+    if existing:
+        export_model(checkpoint_of(tiny_qa_dir), out, "qa", progress=quiet)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
+
+    def interrupt(msg):
+        if msg.startswith("wrote encoder.onnx"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export_model(checkpoint_of(tiny_qa_dir), out, "qa", progress=interrupt, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == (["myqa"] if existing else [])
+    if existing:  # the export it was replacing is whole
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before

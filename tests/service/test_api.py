@@ -180,7 +180,9 @@ def test_transport_errors():
     ctype, utf8, notjson, big_doc, big_body, missing = run(go())
     assert ctype.status_code == 415
     assert utf8.status_code == 422 and "UTF-8" in utf8.json()["error"]["message"]
-    assert notjson.status_code == 422
+    assert notjson.status_code == 422  # where the JSON breaks, not a bare "0: ..." location
+    assert notjson.json()["error"]["message"] == (
+        "body is not valid JSON: Expecting property name enclosed in double quotes at character 1")
     assert big_doc.status_code == 413 and "limit is 1000 bytes" in big_doc.json()["error"]["message"]
     assert big_body.status_code == 413 and big_body.json()["error"]["type"] == "too_large"
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
@@ -455,3 +457,37 @@ def test_disconnect_stops_beam_search_between_decoder_steps():
     assert 'longdoc_request_failures_total{endpoint="summarize",reason="cancelled"} 1.0' in metrics
     steps = len(factory.made[0].steps) - 3  # the greedy request: w1, w2, eos
     assert 1 <= steps < 40  # stopped soon after the hang-up at 0.2 s, not at 60
+
+
+def test_the_default_model_of_a_task_is_explicit_not_alphabetical(caplog):
+    """A user's models/myqa beside the shipped models/qa (sorted first) does not answer requests
+    that name no model; --default-model picks one; /v1/models and the start-up log say which."""
+    async def go(**settings):
+        async with running_app(models={"myqa": "qa", "qa": "qa", "cls": "classify"}, **settings) as c:
+            listed = (await c.get("/v1/models")).json()["models"]
+            answered = (await c.post("/v1/qa", json={"question": "q", "document": "gold"})).json()["model"]
+            return {m["name"]: m["default"] for m in listed}, answered
+
+    with caplog.at_level("INFO", logger="longdoc.service"):
+        assert run(go()) == ({"myqa": False, "qa": True, "cls": True}, "qa")
+    assert "default models: qa=qa, classify=cls" in caplog.text
+    assert run(go(default_models={"qa": "myqa"})) == ({"myqa": True, "qa": False, "cls": True}, "myqa")
+    for given, why in (({"qa": "cls"}, "cls is a classify model"), ({"qa": "nope"}, "no model is named 'nope'"),
+                       ({"summarize": "qa"}, "no summarize model is served")):
+        with pytest.raises(ValueError, match=why):
+            run(go(default_models=given))
+
+
+def test_docs_load_without_a_network():
+    """/docs and /redoc name no other host: their scripts and styles come from this server."""
+    import re
+
+    async def go():
+        async with running_app() as c:
+            pages = [(await c.get(path)).text for path in ("/docs", "/redoc")]
+            assets = [link for page in pages for link in re.findall(r'(?:src|href)="([^"]+)"', page)]
+            return pages, assets, [(a, (await c.get(a)).status_code) for a in assets]
+
+    pages, assets, fetched = run(go())
+    assert len(assets) >= 4 and not [a for a in assets if not a.startswith("/")], assets
+    assert all(code == 200 for _, code in fetched), fetched

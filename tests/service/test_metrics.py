@@ -239,3 +239,14 @@ def test_a_stream_is_measured_to_its_last_event():
     assert sample(after, "longdoc_request_duration_seconds_sum", **labels) >= \
         sample(after, "longdoc_inference_duration_seconds_sum", **labels)
     assert sample(gone, "longdoc_in_flight_requests", endpoint="summarize") == 0
+
+
+def test_metrics_have_no_created_series():
+    async def go():
+        async with running_app() as c:
+            await c.post("/v1/qa", json={"question": "q", "document": "gold"})
+            return (await c.get("/metrics")).text
+
+    text = run(go())
+    assert "longdoc_request_duration_seconds_count" in text
+    assert [line for line in text.splitlines() if "_created" in line] == []

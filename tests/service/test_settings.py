@@ -1,0 +1,117 @@
+"""Every setting is reachable by a `longdoc serve` flag and by a LONGDOC_* variable, both derived
+from the Settings fields (so a field added later is reachable too), and checked on the way in."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+import pytest
+
+from service import cli
+from service.settings import Settings, choose_default_models
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    return parser
+
+
+def other_value(name: str, field) -> tuple[list[str], str, object]:
+    """A value unlike the field's default: (flag arguments, variable value, expected setting)."""
+    flag = cli.flag_of(name, field)
+    annotation = field.annotation
+    default = field.get_default(call_default_factory=True)
+    kinds = {a for a in typing.get_args(annotation) if a is not type(None)} or {annotation}
+    if annotation is bool:
+        return [f"--no-{name.replace('_', '-')}" if default else flag], str(not default).lower(), not default
+    if typing.get_origin(annotation) is typing.Literal:
+        value = next(v for v in typing.get_args(annotation) if v != default)
+        return [flag, value], value, value
+    if typing.get_origin(annotation) is dict:
+        return [flag, "a=b", flag, "c=d"], '{"a": "b", "c": "d"}', {"a": "b", "c": "d"}
+    if typing.get_origin(annotation) is list:
+        return [flag, "cpu", flag, "cuda:1"], '["cpu", "cuda:1"]', ["cpu", "cuda:1"]
+    if int in kinds:
+        value = (default or 2) + 1
+    elif float in kinds:
+        value = (default or 2.0) + 0.5
+    else:
+        value = f"{default}x" if name != "host" else "0.0.0.0"
+    return [flag, str(value)], str(value), value
+
+
+def as_plain(value):
+    if isinstance(value, dict):
+        return {k: str(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(Settings.model_fields))
+def test_every_setting_has_a_flag_and_a_variable(name, monkeypatch):
+    field = Settings.model_fields[name]
+    flag_args, env_value, expected = other_value(name, field)
+    parser = serve_parser()
+    models = [] if name == "models" else ["--model", "a=/m"]
+    settings = cli.build_settings(parser.parse_args(["serve", *models, *flag_args]))
+    assert as_plain(getattr(settings, name)) == expected
+    monkeypatch.setenv(f"LONGDOC_{name.upper()}", env_value)
+    settings = cli.build_settings(parser.parse_args(["serve", *models]))
+    assert as_plain(getattr(settings, name)) == expected
+    help_text = serve_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert f"LONGDOC_{name.upper()})" in " ".join(help_text.split())
+
+
+def test_flags_replace_variables_whole(monkeypatch):
+    monkeypatch.setenv("LONGDOC_MODELS", '{"a": "/x"}')
+    monkeypatch.setenv("LONGDOC_PORT", "9000")
+    s = cli.build_settings(serve_parser().parse_args(["serve", "--port", "9001", "--model", "q=/m"]))
+    assert (s.port, {k: str(v) for k, v in s.models.items()}) == (9001, {"q": "/m"})
+
+
+def test_bad_settings_say_which_flag_and_variable():
+    parser = serve_parser()
+    for args, message in (
+        (["--model", "nodir"], "--model 'nodir': expected NAME=DIR"),
+        (["--model", "q=/a", "--model", "q=/b"], "--model 'q' given twice"),
+        (["--device", "gpu7"], "--device (LONGDOC_DEVICES) ['gpu7']: device 'gpu7': expected cpu, cuda or cuda:N"),
+        (["--port", "abc"], "--port (LONGDOC_PORT) 'abc': Input should be a valid integer"),
+        (["--request-timeout-s", "900"], "request_timeout_s 900.0 exceeds max_request_timeout_s 600.0"),
+    ):
+        models = [] if args[0] == "--model" else ["--model", "m=/m"]
+        with pytest.raises(ValueError) as exc:
+            cli.build_settings(parser.parse_args(["serve", *models, *args]))
+        assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_request_timeout_may_not_exceed_its_maximum():
+    with pytest.raises(ValueError, match="exceeds max_request_timeout_s"):
+        Settings(request_timeout_s=700)
+    assert Settings(request_timeout_s=700, max_request_timeout_s=700).request_timeout_s == 700
+
+
+def test_default_model_choice():
+    tasks = {"myqa": "qa", "qa": "qa", "sum2": "summarize", "sum1": "summarize"}
+    assert choose_default_models({}, tasks) == {"qa": "qa", "summarize": "sum2"}
+    assert choose_default_models({"qa": "myqa", "summarize": "sum1"}, tasks) == {"qa": "myqa", "summarize": "sum1"}
+    with pytest.raises(ValueError, match="--default-model qa=sum1: sum1 is a summarize model"):
+        choose_default_models({"qa": "sum1"}, tasks)
+
+
+def test_no_models_names_the_directory_searched_not_the_package(tmp_path, monkeypatch):
+    """Installed (the container), the package's own models/ is in site-packages and empty; the
+    message names ./models, where the image puts them (/models with the working directory /)."""
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "service" / "cli.py"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as exc:
+        cli.build_settings(serve_parser().parse_args(["serve"]))
+    assert f"under {tmp_path}/models/" in str(exc.value) and "site-packages" not in str(exc.value)
+    export = tmp_path / "models" / "qa"
+    export.mkdir(parents=True)
+    (export / "manifest.json").write_text("{}")
+    assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"qa": export}
+
+
+def test_every_setting_has_a_description_for_its_help():
+    assert [name for name, field in Settings.model_fields.items() if not field.description] == []

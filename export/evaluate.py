@@ -143,25 +143,34 @@ def answer_token_index(tokenizer, context: str, start: int, end: int) -> int:
     return max((i for i, (a, b) in enumerate(offsets) if a < end and b > start), default=len(offsets))
 
 
-def qa_spans(model, question: str, context: str, max_length: int, max_answer_tokens: int,
-             stride: int | None = None, top_k: int = 1, first_window_only: bool = False):
-    """(the top_k answer spans, the windows read) as the service finds them (`export.windows`:
-    the same windows of `[CLS] question [SEP] doc[a:b] [SEP]` and the same span search), one
-    window at a time through ONNX Runtime."""
-    from export.windows import best_spans, qa_windows
+def read_qa_windows(model, question: str, context: str, max_length: int, stride: int | None = None,
+                    max_windows: int | None = None):
+    """(windows, start logits, end logits, token offsets) of a page read as the service reads it
+    (`export.windows.qa_windows`: `[CLS] question [SEP] doc[a:b] [SEP]`), one window at a time
+    through ONNX Runtime; only the first `max_windows` windows when given."""
+    from export.windows import qa_windows
 
     sp = model.manifest.special_tokens
     q = model.tokenizer.encode(question, add_special_tokens=False).ids
     doc = model.tokenizer.encode(context, add_special_tokens=False)
-    windows = qa_windows(q, doc.ids, max_length, stride, sp["cls"], sp["sep"])
-    windows = windows[:1] if first_window_only else windows
+    windows = qa_windows(q, doc.ids, max_length, stride, sp["cls"], sp["sep"])[:max_windows]
     starts, ends = [], []
     for w in windows:
         out = model.run_encoder(np.array([w.input_ids]), np.ones((1, len(w.input_ids)), np.int64),
                                 np.array([w.token_type_ids]))
         starts.append(out["start_logits"][0])
         ends.append(out["end_logits"][0])
-    return best_spans(windows, starts, ends, doc.offsets, top_k, max_answer_tokens), len(windows)
+    return windows, starts, ends, doc.offsets
+
+
+def qa_spans(model, question: str, context: str, max_length: int, max_answer_tokens: int,
+             stride: int | None = None, top_k: int = 1):
+    """(the top_k answer spans, the number of windows read) as the service finds them: its
+    windows and its span search (`export.windows.best_spans`)."""
+    from export.windows import best_spans
+
+    windows, starts, ends, offsets = read_qa_windows(model, question, context, max_length, stride)
+    return best_spans(windows, starts, ends, offsets, top_k, max_answer_tokens), len(windows)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -214,9 +223,11 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
     and span search (`qa_spans`): "model", every window of the page (what the service answers);
     "first-window", only the first max_length-token window; "first-512", only the first 512-token
     window. Subsets: answers whose last token lies beyond the 512-token window's document part."""
+    from export.windows import best_spans
+
     tok, max_length = model.tokenizer, model.manifest.max_length
-    systems = {"model": (max_length, False), "first-window": (max_length, True),
-               f"first-{BASELINE_QA_LENGTH}": (min(BASELINE_QA_LENGTH, max_length), True)}
+    short = min(BASELINE_QA_LENGTH, max_length)
+    systems = ("model", "first-window", f"first-{BASELINE_QA_LENGTH}")
     scores = {name: {"all": [], "beyond-512": [], "within-512": []} for name in systems}
     predictions = []
     for n, r in enumerate(records):
@@ -226,9 +237,13 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
         q_len = len(tok.encode(r["question"], add_special_tokens=False).ids)
         subset = "beyond-512" if q_len + 2 + last >= BASELINE_QA_LENGTH else "within-512"
         pred_row = {"id": r.get("id", n), "answer_token": last}
-        for name, (length, first_only) in systems.items():
-            spans, _ = qa_spans(model, r["question"], r["context"], length, max_answer_tokens, stride,
-                                first_window_only=first_only)
+        windows, starts, ends, offsets = read_qa_windows(model, r["question"], r["context"], max_length, stride)
+        short_read = read_qa_windows(model, r["question"], r["context"], short, stride, max_windows=1)
+        reads = {"model": (windows, starts, ends, offsets),  # every window: the service's answer
+                 "first-window": (windows[:1], starts[:1], ends[:1], offsets),  # the same first window
+                 f"first-{BASELINE_QA_LENGTH}": short_read}
+        for name, read in reads.items():
+            spans = best_spans(*read, 1, max_answer_tokens)
             text = r["context"][spans[0].start : spans[0].end] if spans else ""
             m = {"exact_match": best_over_golds(exact_match, text, golds), "f1": best_over_golds(f1_score, text, golds)}
             scores[name]["all"].append(m)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -16,7 +15,7 @@ import numpy as np
 from export.graph import OPSET, save_model
 from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
                              build_pegasus_decoder, build_pegasus_encoder)
-from export.manifest import TASKS, Manifest
+from export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
@@ -72,14 +71,6 @@ def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a state dict")
     return {k: v.float().numpy() for k, v in state.items()}
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def task_of(config: dict, task: str) -> str:
@@ -181,7 +172,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         else:
             save_model(model, path)
         progress(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    shutil.copyfile(tokenizer, output_dir / "tokenizer.json")
+    shutil.copyfile(tokenizer, output_dir / TOKENIZER_NAME)
 
     labels = None
     if task == "classify":
@@ -199,7 +190,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
         special_tokens=special, decoder=decoder,
         source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
-        versions=_versions())
+        versions=_versions(), files=file_checksums(output_dir, [f"{name}.onnx" for name in graphs] + [TOKENIZER_NAME]))
     manifest.save(output_dir)
     progress(f"wrote {output_dir / 'manifest.json'}")
     return manifest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -25,12 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service import windows as W
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
-from service.errors import InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType
+from service.errors import (
+    DeadlineExceeded, InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType,
+)
 from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings
 from service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
-    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
+    QAResponse, SSE_EVENT_SCHEMA, SummarizeJob, SummarizeRequest, SummarizeResponse, validate_classify, validate_qa,
     validate_summarize,
 )
 from service.workers import GenerateParams, ModelInfo, Worker, onnx_worker_factory
@@ -162,8 +165,14 @@ class Service:
             raise InvalidRequest(f"model {name!r} is a {m.info.task} model, not {task}")
         return m
 
-    async def tokenize(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def tokenize(self, deadline: float, fn, *args):
+        """fn(*args) in the tokenizer pool, given up at the request's deadline (a long document
+        must not hold the answer past it; a call already running finishes unseen)."""
+        future = asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded during tokenization") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +181,8 @@ class Service:
 
 def _encode(info: ModelInfo, text: str, limit: int):
     enc = info.tokenizer.encode(text, add_special_tokens=False)
+    if not enc.ids:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
+        raise InvalidRequest("document has no tokens (only characters the model's tokenizer drops)")
     if len(enc.ids) > limit:
         raise TooLarge(f"document has {len(enc.ids)} tokens; the limit is {limit} tokens")
     return enc.ids, enc.offsets
@@ -221,17 +232,28 @@ def _error(exc: ServiceError) -> JSONResponse:
 
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 503, 504)}
+_JSON_POSTS = ("/v1/qa", "/v1/summarize", "/v1/classify")  # the routes BodyLimitMiddleware guards
+
+
+def _body_parse_error(cause: BaseException | None) -> InvalidRequest:
+    """Why a UTF-8 body failed to parse as JSON, where FastAPI only answers 400 "error parsing"."""
+    if isinstance(cause, RecursionError):
+        return InvalidRequest("body is not valid JSON: nested too deeply")
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return InvalidRequest(f"body is not valid JSON: an integer over {sys.get_int_max_str_digits()} digits")
+    return InvalidRequest("body is not valid JSON")
 
 
 class BodyLimitMiddleware:
-    """Before any parsing: POST bodies must be JSON and at most `max_bytes` (413 otherwise)."""
+    """Before any parsing: POST bodies to the task routes must be JSON and at most `max_bytes`
+    (413 otherwise). Other paths and methods pass untouched, to be answered 404 or 405."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_POSTS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -291,6 +313,29 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema plus this server's own limits, so that clients generated from it
+        agree with validation (sizes are in bytes of UTF-8 on the server, characters here)."""
+        if app.openapi_schema is None:
+            bodies = base_openapi()["components"]["schemas"]
+            for name in ("QARequest", "SummarizeRequest", "ClassifyRequest"):
+                props = bodies[name]["properties"]
+                props["documents"]["maxItems"] = settings.max_documents
+                for text in (props["document"], props["documents"]["items"], props.get("question", {})):
+                    text["maxLength"] = settings.max_document_bytes
+                for option in props["timeout"]["anyOf"]:
+                    if option["type"] == "number":
+                        option["maximum"] = settings.max_request_timeout_s
+            caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
+            if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)
+                for option in bodies["SummarizeRequest"]["properties"]["max_new_tokens"]["anyOf"]:
+                    if option["type"] == "integer":
+                        option["maximum"] = min(option["maximum"], max(caps))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
@@ -315,6 +360,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            return await _service_error(request, _body_parse_error(exc.__cause__))
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"type": kind, "message": str(exc.detail)}}, exc.status_code,
                             headers=getattr(exc, "headers", None))
@@ -378,7 +425,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_qa, model.info, job, settings.qa_stride,
+            prepared = await service.tokenize(job.common.deadline, _prepare_qa, model.info, job, settings.qa_stride,
                                               settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w.input_ids, w.token_type_ids) for windows, _, _ in prepared for w in windows]
@@ -412,7 +459,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_classify, model.info, job, settings.classify_stride,
+            prepared = await service.tokenize(job.common.deadline, _prepare_classify, model.info, job, settings.classify_stride,
                                               settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w, None) for windows, _ in prepared for w in windows]
@@ -433,7 +480,9 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         return await serve(request, "classify", work)
 
     # ---- summarization
-    @app.post("/v1/summarize", response_model=SummarizeResponse, responses=_ERRORS, tags=["tasks"])
+    @app.post("/v1/summarize", response_model=SummarizeResponse, tags=["tasks"], responses={
+        **_ERRORS, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                         "description": "JSON; with `stream: true`, server-sent events"}})
     async def summarize(body: SummarizeRequest, request: Request):
         """Summarize each document (truncated at the encoder's maximum; `usage.truncated` says so).
         With `stream: true`, server-sent events: `token` events `{"id", "text"}`, then `done`
@@ -449,7 +498,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_summarize, model.info, job, settings.max_document_tokens)
+            prepared = await service.tokenize(job.common.deadline, _prepare_summarize, model.info, job, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
             streams = [await model.engine.submit(ids, params, state) for ids, _, _ in prepared]

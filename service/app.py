@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import windows as W
+from service.access import AccessControl, AccessMiddleware
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
 from service.errors import (
@@ -231,7 +232,7 @@ def _error(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
 
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 413, 415, 422, 429, 503, 504)}
 _JSON_POSTS = ("/v1/qa", "/v1/summarize", "/v1/classify")  # the routes BodyLimitMiddleware guards
 
 
@@ -313,6 +314,19 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst)
+    if not access.enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without API keys: anyone who can reach it may call it "
+                    "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)
+
+    def count_failure(path: str, exc: ServiceError) -> None:
+        endpoint = path.rsplit("/", 1)[-1]
+        if endpoint in TASKS:
+            service.metrics.failures.labels(endpoint, exc.reason).inc()
+
+    # added last, so outermost: a caller without a key gets no further (not even its body read)
+    app.add_middleware(AccessMiddleware, access=access, open_paths=settings.open_paths,
+                       on_refused=count_failure, error_response=_error)
     base_openapi = app.openapi
 
     def openapi() -> dict:
@@ -328,6 +342,12 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 for option in props["timeout"]["anyOf"]:
                     if option["type"] == "number":
                         option["maximum"] = settings.max_request_timeout_s
+            if access.enabled:  # every operation but the open paths needs the bearer key
+                app.openapi_schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                for path, operations in app.openapi_schema["paths"].items():
+                    if path not in settings.open_paths:
+                        for operation in operations.values():
+                            operation["security"] = [{"apiKey": []}]
             caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
             if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)
                 for option in bodies["SummarizeRequest"]["properties"]["max_new_tokens"]["anyOf"]:
@@ -339,9 +359,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
-        endpoint = request.url.path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, exc.reason).inc()
+        count_failure(request.url.path, exc)
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -353,10 +371,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             if e.get("type") == "json_invalid":
                 msg = "body is not valid JSON (or not valid UTF-8)"
             parts.append(f"{where}: {msg}")
-        endpoint = request.url.path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, "validation").inc()
-        return _error(InvalidRequest("; ".join(parts) or "invalid request"))
+        return await _service_error(request, InvalidRequest("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -27,6 +27,13 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-batching", action="store_true", help="run every sequence alone (for comparison)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass at the maximum length")
     p.add_argument("--shutdown-grace-s", type=float, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--api-key-file", type=Path,
+                   help="file of API keys, one per line; callers send `Authorization: Bearer KEY` (default: "
+                        "none, or LONGDOC_API_KEYS=k1,k2; keys are never taken as flags, which `ps` shows)")
+    p.add_argument("--rate-limit-per-s", type=float,
+                   help="requests per second per API key, over it 429 (default: no limit)")
+    p.add_argument("--rate-limit-burst", type=int, help="requests one key may send at once (default: the rate, "
+                                                        "rounded up)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
 
@@ -52,7 +59,8 @@ def build_settings(args: argparse.Namespace):
         "host": args.host, "port": args.port, "threads": args.threads,
         "max_batch_tokens": args.max_batch_tokens, "max_batch_size": args.max_batch_size,
         "max_wait_ms": args.max_wait_ms, "max_queue_tokens": args.max_queue_tokens,
-        "shutdown_grace_s": args.shutdown_grace_s,
+        "shutdown_grace_s": args.shutdown_grace_s, "api_key_file": args.api_key_file,
+        "rate_limit_per_s": args.rate_limit_per_s, "rate_limit_burst": args.rate_limit_burst,
     }
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.device:

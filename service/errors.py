@@ -38,6 +38,22 @@ class Overloaded(ServiceError):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
 
 
+class RateLimited(ServiceError):
+    """One API key over its request rate (service/access.py); Overloaded is the server's queue."""
+
+    status, type, reason = 429, "rate_limited", "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class Unauthorized(ServiceError):
+    status, type, reason = 401, "unauthorized", "unauthorized"
+
+    def __init__(self, message: str):
+        super().__init__(message, {"WWW-Authenticate": "Bearer"})
+
+
 class Unavailable(ServiceError):
     status, type, reason = 503, "unavailable", "unavailable"
 

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 # Default padded-token budget of one batch, per worker device (`max_batch_tokens` unset). On a
@@ -51,10 +52,38 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0)
     max_request_timeout_s: float = Field(600.0, gt=0)
 
+    # access (service/access.py): with keys, every path but `open_paths` needs `Authorization:
+    # Bearer KEY`. Keys: LONGDOC_API_KEYS="k1,k2" and/or a file (one per line, e.g. a mounted
+    # Kubernetes Secret); SecretStr keeps them out of reprs and logs.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    api_key_file: Path | None = None
+    open_paths: list[str] = Field(default_factory=lambda: ["/livez", "/readyz", "/metrics"])
+    rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key")
+    rate_limit_burst: int | None = Field(None, ge=1, description="default: the rate, rounded up")
+
     # lifecycle
     warmup: bool = True  # run each worker once at the maximum length before /readyz says yes
     shutdown_grace_s: float = Field(30.0, ge=0)
     worker_restart_backoff_s: float = Field(0.5, ge=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        if isinstance(value, str):  # LONGDOC_API_KEYS="k1,k2"
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    def all_api_keys(self) -> list[str]:
+        """`api_keys` and the lines of `api_key_file` (read now: a rotated Secret needs a restart)."""
+        from service.access import read_key_file
+
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_key_file is not None:
+            from_file = read_key_file(self.api_key_file)
+            if not from_file:  # an empty Secret must not switch authentication off
+                raise ValueError(f"api_key_file {self.api_key_file} holds no keys")
+            keys += from_file
+        return keys
 
     @field_validator("devices")
     @classmethod

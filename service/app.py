@@ -28,7 +28,8 @@ from service.access import AccessControl, AccessMiddleware
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
 from service.errors import (
-    DeadlineExceeded, InvalidRequest, ModelNotFound, ServiceError, TooLarge, Unavailable, UnsupportedMediaType,
+    DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, TooLarge, Unavailable,
+    UnsupportedMediaType,
 )
 from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings
@@ -247,11 +248,18 @@ def _body_parse_error(cause: BaseException | None) -> InvalidRequest:
 
 class BodyLimitMiddleware:
     """Before any parsing: POST bodies to the task routes must be JSON and at most `max_bytes`
-    (413 otherwise). Other paths and methods pass untouched, to be answered 404 or 405."""
+    (413 otherwise). Other paths and methods pass untouched, to be answered 404 or 405.
 
-    def __init__(self, app, max_bytes: int):
+    A body must arrive whole within `timeout_s` (408: a client that sends part and goes quiet
+    holds nothing for long), and all bodies buffered by requests not yet answered stay within
+    `max_bytes_in_flight` (503 with Retry-After over it, before the rest of that body is read)."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float, max_bytes_in_flight: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.bytes_in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_POSTS:
@@ -263,22 +271,42 @@ class BodyLimitMiddleware:
                 f"content type {ctype.decode('latin-1') or 'missing'}: send application/json"))(scope, receive, send)
         length = headers.get(b"content-length")
         too_large = TooLarge(f"request body over {self.max_bytes} bytes")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _error(too_large)(scope, receive, send)
-        # read the whole (bounded) body first: size and UTF-8 are checked before any parsing
-        chunks, seen = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_bytes:
+        busy = Unavailable("too many request bytes in flight; retry later", {"Retry-After": "1"})
+        if length is not None and length.isdigit():
+            if int(length) > self.max_bytes:
                 return await _error(too_large)(scope, receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+            if int(length) > self.max_bytes_in_flight - self.bytes_in_flight:
+                return await _error(busy)(scope, receive, send)
+        held = 0  # this request's share of bytes_in_flight, until it is answered
+        try:
+            # read the whole (bounded) body first: size and UTF-8 are checked before any parsing
+            chunks, seen = [], 0
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    late = RequestTimeout(f"request body not received within {self.timeout_s:g} s")
+                    return await _error(late)(scope, receive, send)
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if seen > self.max_bytes:
+                    return await _error(too_large)(scope, receive, send)
+                if self.bytes_in_flight + len(chunk) > self.max_bytes_in_flight:
+                    return await _error(busy)(scope, receive, send)
+                self.bytes_in_flight += len(chunk)
+                held += len(chunk)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            await self._forward(b"".join(chunks), scope, receive, send)
+        finally:
+            self.bytes_in_flight -= held
+
+    async def _forward(self, body: bytes, scope, receive, send):
+        """The UTF-8 check, then the app, which reads the buffered body."""
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -313,7 +341,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                   description="Question answering, summarization and classification over long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
-    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, timeout_s=settings.body_timeout_s,
+                       max_bytes_in_flight=settings.max_body_bytes_in_flight)
     access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst)
     if not access.enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach it may call it "

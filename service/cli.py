@@ -27,6 +27,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-batching", action="store_true", help="run every sequence alone (for comparison)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass at the maximum length")
     p.add_argument("--shutdown-grace-s", type=float, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="seconds for a request's line and headers, else 408 and close (default 10)")
+    p.add_argument("--body-timeout-s", type=float, help="seconds for a whole request body, else 408 (default 60)")
+    p.add_argument("--max-connections", type=int, help="open connections; over it a new one gets 503 (default 512)")
+    p.add_argument("--max-body-bytes-in-flight", type=int,
+                   help="request body bytes buffered by all unanswered requests; over it 503 (default 268435456)")
     p.add_argument("--api-key-file", type=Path,
                    help="file of API keys, one per line; callers send `Authorization: Bearer KEY` (default: "
                         "none, or LONGDOC_API_KEYS=k1,k2; keys are never taken as flags, which `ps` shows)")
@@ -61,6 +67,8 @@ def build_settings(args: argparse.Namespace):
         "max_wait_ms": args.max_wait_ms, "max_queue_tokens": args.max_queue_tokens,
         "shutdown_grace_s": args.shutdown_grace_s, "api_key_file": args.api_key_file,
         "rate_limit_per_s": args.rate_limit_per_s, "rate_limit_burst": args.rate_limit_burst,
+        "header_timeout_s": args.header_timeout_s, "body_timeout_s": args.body_timeout_s,
+        "max_connections": args.max_connections, "max_body_bytes_in_flight": args.max_body_bytes_in_flight,
     }
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.device:
@@ -84,6 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
+    from service.connections import limited_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = build_settings(args)
@@ -95,7 +104,8 @@ def serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
+                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
+                            http=limited_protocol(settings.header_timeout_s, settings.max_connections))
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -27,6 +27,12 @@ class UnsupportedMediaType(ServiceError):
     status, type, reason = 415, "unsupported_media_type", "validation"
 
 
+class RequestTimeout(ServiceError):
+    """The client did not send its request (headers or body) in time."""
+
+    status, type, reason = 408, "request_timeout", "request_timeout"
+
+
 class TooLarge(ServiceError):
     status, type, reason = 413, "too_large", "too_large"
 

@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0)
     max_request_timeout_s: float = Field(600.0, gt=0)
 
+    # slow or huge uploads (service/connections.py, service.app.BodyLimitMiddleware)
+    header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
+    body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
+    max_connections: int = Field(512, ge=1, description="open connections; over it a new one gets 503")
+    max_body_bytes_in_flight: int = Field(
+        256 * 2**20, ge=1, description="request body bytes buffered by all unanswered requests; over it 503")
+
     # access (service/access.py): with keys, every path but `open_paths` needs `Authorization:
     # Bearer KEY`. Keys: LONGDOC_API_KEYS="k1,k2" and/or a file (one per line, e.g. a mounted
     # Kubernetes Secret); SecretStr keeps them out of reprs and logs.

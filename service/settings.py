@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -76,7 +77,9 @@ class Settings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value):
-        if isinstance(value, str):  # LONGDOC_API_KEYS="k1,k2"
+        if isinstance(value, str):  # LONGDOC_API_KEYS="k1,k2" (or a JSON list, like the other list settings)
+            if value.lstrip().startswith("["):
+                return json.loads(value)
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
 

@@ -77,6 +77,11 @@ def test_keys_from_the_environment_and_a_file(tmp_path, monkeypatch):
     assert run(go()) == [200, 200, 200, 401, 401]
 
 
+def test_keys_as_a_json_list(monkeypatch):
+    monkeypatch.setenv("LONGDOC_API_KEYS", f'["{KEY}", "k,2"]')
+    assert Settings().all_api_keys() == [KEY, "k,2"]
+
+
 def test_an_empty_key_file_does_not_switch_authentication_off(tmp_path):
     (tmp_path / "keys").write_text("# nothing yet\n")
     with pytest.raises(ValueError, match="holds no keys"):

@@ -301,7 +301,9 @@ class BodyLimitMiddleware:
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-            await self._forward(b"".join(chunks), scope, receive, send)
+            body = b"".join(chunks)
+            del chunks  # the body is held once while the request runs, as bytes_in_flight counts it
+            await self._forward(body, scope, receive, send)
         finally:
             self.bytes_in_flight -= held
 

@@ -190,10 +190,16 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
         special_tokens=special, decoder=decoder,
         source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
-        versions=_versions(), files=file_checksums(output_dir, [f"{name}.onnx" for name in graphs] + [TOKENIZER_NAME]))
+        versions=_versions(), files=file_checksums(output_dir, _graph_files(output_dir, graphs) + [TOKENIZER_NAME]))
     manifest.save(output_dir)
     progress(f"wrote {output_dir / 'manifest.json'}")
     return manifest
+
+
+def _graph_files(output_dir: Path, graphs) -> list[str]:
+    """Each graph's file and its external-data side file (`NAME.onnx.data`, graphs over 2 GiB)."""
+    return [p.name for p in sorted(output_dir.iterdir())
+            if any(p.name in (f"{g}.onnx", f"{g}.onnx.data") for g in graphs)]
 
 
 GENERATION_KEYS = ("max_length", "num_beams", "length_penalty", "no_repeat_ngram_size", "early_stopping",

@@ -111,3 +111,26 @@ def test_every_graph_needs_a_checksum(tmp_path, tiny_qa_dir):
     edit_manifest(d, files={TOKENIZER_NAME: sha256_of(d / TOKENIZER_NAME)})
     with pytest.raises(ManifestError, match="no checksum for 'encoder.onnx'"):
         OnnxModel(d)
+
+
+def test_external_weights_are_checksummed_too(tmp_path, tiny_checkpoint_dir, monkeypatch):
+    """A graph over 2 GiB keeps its weights in NAME.onnx.data: that file is recorded and checked."""
+    import onnx
+
+    import export.exporter
+    from tests.tiny_models import make_tiny_export
+
+    def save_external(model, path):  # what export.graph.save_model does over 1.8 GB, at any size
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=Path(path).name + ".data", size_threshold=1024)
+
+    monkeypatch.setattr(export.exporter, "save_model", save_external)
+    d = make_tiny_export(tmp_path / "model", "classify", checkpoint_dir=tiny_checkpoint_dir("classify"))
+    m = Manifest.load(d)
+    assert set(m.files) == {"encoder.onnx", "encoder.onnx.data", TOKENIZER_NAME}
+    OnnxModel(d)
+    with open(d / "encoder.onnx.data", "r+b") as f:
+        f.seek(100)
+        f.write(os.urandom(64))
+    with pytest.raises(ManifestError, match=r"encoder\.onnx\.data: sha256"):
+        OnnxModel(d)

@@ -182,7 +182,9 @@ class Service:
 
 
 def _encode(info: ModelInfo, text: str, limit: int):
-    enc = info.tokenizer.encode(text, add_special_tokens=False)
+    # encode_batch, not encode: tokenizers' `encode` holds the GIL for the whole document (about
+    # 2 s for 2 MB), so neither the request's deadline nor any other request could run meanwhile
+    (enc,) = info.tokenizer.encode_batch([text], add_special_tokens=False)
     if not enc.ids:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
         raise InvalidRequest("document has no tokens (only characters the model's tokenizer drops)")
     if len(enc.ids) > limit:

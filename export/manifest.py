@@ -94,7 +94,8 @@ class Manifest:
         root = Path(directory).resolve()
         path = (root / filename).resolve()
         if not path.is_relative_to(root):
-            raise ManifestError(f"{Path(directory) / MANIFEST_NAME}: {filename!r} resolves outside the model directory")
+            raise ManifestError(f"{Path(directory) / MANIFEST_NAME}: {filename!r} resolves outside the model "
+                                "directory")
         return path
 
     def check_files(self, directory: str | Path) -> None:

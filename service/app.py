@@ -376,7 +376,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                     if option["type"] == "number":
                         option["maximum"] = settings.max_request_timeout_s
             if access.enabled:  # every operation but the open paths needs the bearer key
-                app.openapi_schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                bearer = {"type": "http", "scheme": "bearer"}
+                app.openapi_schema["components"]["securitySchemes"] = {"apiKey": bearer}
                 for path, operations in app.openapi_schema["paths"].items():
                     if path not in settings.open_paths:
                         for operation in operations.values():
@@ -507,8 +508,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(job.common.deadline, _prepare_classify, model.info, job, settings.classify_stride,
-                                              settings.max_document_tokens)
+            prepared = await service.tokenize(job.common.deadline, _prepare_classify, model.info, job,
+                                              settings.classify_stride, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w, None) for windows, _ in prepared for w in windows]
             results = await model.engine.submit(seqs, state)
@@ -546,7 +547,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(job.common.deadline, _prepare_summarize, model.info, job, settings.max_document_tokens)
+            prepared = await service.tokenize(job.common.deadline, _prepare_summarize, model.info, job,
+                                              settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
             streams = [await model.engine.submit(ids, params, state) for ids, _, _ in prepared]

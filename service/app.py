@@ -404,7 +404,10 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             msg = e.get("msg", "invalid")
             if e.get("type") == "json_invalid":
                 msg = "body is not valid JSON (or not valid UTF-8)"
-            parts.append(f"{where}: {msg}")
+            elif e.get("type") == "value_error":  # our validators' own sentences, which name the field
+                msg = str(e.get("ctx", {}).get("error", msg))
+                where = "" if where == "body" else where
+            parts.append(f"{where}: {msg}" if where else msg)
         return await _service_error(request, InvalidRequest("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)

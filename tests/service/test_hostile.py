@@ -88,6 +88,13 @@ def test_types_are_strict(path, field, value):
     assert_error(r, 422, "invalid_request", field)
 
 
+def test_type_errors_read_as_sentences():
+    rs = post_all([("/v1/classify", {"json": {"document": "good", "top_k": True}}),
+                   ("/v1/classify", {"json": {"document": "a", "documents": ["b"]}})])
+    assert [r.json()["error"]["message"] for r in rs] == [
+        "top_k: expected a number, got true", "give exactly one of `document` or `documents`"]
+
+
 def test_an_integral_number_is_an_integer_as_json_schema_says():
     (r,) = post_all([("/v1/classify", {"json": {"document": "good bad", "top_k": 1.0}})])
     assert r.status_code == 200 and len(r.json()["results"][0]["labels"]) == 1, r.text

@@ -2,6 +2,7 @@
 one error shape, types are JSON's, and a deadline holds during tokenization."""
 
 import asyncio
+import sys
 import threading
 from pathlib import Path
 
@@ -162,8 +163,14 @@ def test_a_real_tokenizer_lets_the_deadline_and_other_requests_run(monkeypatch):
             await asyncio.wait_for(poller, 60)  # polls until the tokenizing (which outlives the 504) ends
             return r
 
-    r = run(go())
+    # a long switch interval: a thread holding the GIL keeps it from the call through the count,
+    # so with `encode` none are counted, however loaded the machine; a call that releases the
+    # GIL lets the loop run throughout
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        r = run(go())
+    finally:
+        sys.setswitchinterval(interval)
     assert_error(r, 504, "deadline_exceeded", "during tokenization")
-    # thousands while tokenizing (3213 and 4058 measured); with the GIL held only those of the
-    # switch intervals around the call (15 to 128 measured)
-    assert during[0] >= 500, during
+    assert during[0] >= 100, during

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -15,7 +14,7 @@ import numpy as np
 from export.graph import OPSET, save_model
 from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
                              build_pegasus_decoder, build_pegasus_encoder)
-from export.manifest import TASKS, Manifest
+from export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from model.layout import checkpoint_attention_spec
 from model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from model.tokenization import special_token_ids
@@ -74,14 +73,6 @@ def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a state dict")
     return {k: v.float().numpy() for k, v in state.items()}
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def task_of(config: dict, task: str) -> str:
@@ -198,7 +189,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             else:
                 save_model(model, path)
             progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        shutil.copyfile(tokenizer, staging / "tokenizer.json")
+        shutil.copyfile(tokenizer, staging / TOKENIZER_NAME)
 
         labels = None
         if task == "classify":
@@ -213,7 +204,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
             special_tokens=special, decoder=decoder,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
-            versions=_versions())
+            versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)
         replace_dir(staging, output_dir)
     except BaseException:
@@ -221,6 +212,12 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise
     progress(f"wrote {output_dir}")
     return manifest
+
+
+def _graph_files(output_dir: Path, graphs) -> list[str]:
+    """Each graph's file and its external-data side file (`NAME.onnx.data`, graphs over 2 GiB)."""
+    return [p.name for p in sorted(output_dir.iterdir())
+            if any(p.name in (f"{g}.onnx", f"{g}.onnx.data") for g in graphs)]
 
 
 def replace_dir(new: Path, target: Path) -> None:

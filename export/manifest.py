@@ -6,13 +6,17 @@ the service. No torch: the serving path imports this module.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("longdoc.export")
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+TOKENIZER_NAME = "tokenizer.json"
 TASKS = ("qa", "classify", "mlm", "summarize")
 DTYPES = ("fp32", "fp16", "int8")
 # the names of the encoder outputs per task (what OnnxModel.run_encoder returns)
@@ -57,6 +61,10 @@ class Manifest:
     source: dict[str, str] = field(default_factory=dict)  # checkpoint, sha256
     versions: dict[str, Any] = field(default_factory=dict)  # longdoc, torch, onnx, opset
     format_version: int = FORMAT_VERSION
+    # file name (relative to the model directory) -> sha256 hex of every graph and tokenizer.json,
+    # written at export and checked at load: a corrupted file fails start-up instead of serving
+    # different answers. Empty in manifests written before checksums (a warning at load).
+    files: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -92,6 +100,35 @@ class Manifest:
         path = Path(directory) / MANIFEST_NAME
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
+
+    def path_of(self, directory: str | Path, filename: str) -> Path:
+        """`directory / filename`, refused unless it resolves inside the model directory (a
+        manifest names files, it cannot reach outside; symlinks are resolved first)."""
+        root = Path(directory).resolve()
+        path = (root / filename).resolve()
+        if not path.is_relative_to(root):
+            raise ManifestError(f"{Path(directory) / MANIFEST_NAME}: {filename!r} resolves outside the model "
+                                "directory")
+        return path
+
+    def check_files(self, directory: str | Path) -> None:
+        """Every file named in `files` exists and has its recorded sha256 (ManifestError if not)."""
+        where = Path(directory) / MANIFEST_NAME
+        if not self.files:
+            log.warning("%s records no file checksums (exported before checksums): graphs and tokenizer "
+                        "are loaded unchecked; re-export to add them", where)
+            return
+        for name in [*self.graphs.values(), TOKENIZER_NAME]:
+            if name not in self.files:
+                raise ManifestError(f"{where}: no checksum for {name!r} in 'files'")
+        for name, expected in self.files.items():
+            path = self.path_of(directory, name)
+            if not path.is_file():
+                raise ManifestError(f"{path}: missing (named in the manifest's 'files')")
+            actual = sha256_of(path)
+            if actual != expected:
+                raise ManifestError(f"{path}: sha256 {actual} does not match the manifest's {expected}; "
+                                    "the file is corrupted or was replaced (re-export or restore it)")
 
     @classmethod
     def load(cls, directory: str | Path) -> Manifest:
@@ -145,4 +182,32 @@ def validate(m: Manifest) -> list[str]:
     if missing:
         problems.append(f"special_tokens has no {', '.join(missing)} id (exports before longdoc 0.2 left them to "
                         "the service; export the checkpoint again)")
+    names = list(m.graphs.values()) if isinstance(m.graphs, dict) else []
+    if not isinstance(m.files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in m.files.values()):
+        problems.append("files must map file names to sha256 hex digests")
+    else:
+        names += list(m.files)
+    for name in names:
+        if not _is_plain_relative(name):
+            problems.append(f"file {name!r} must be a relative path inside the model directory")
     return problems
+
+
+def _is_plain_relative(name: object) -> bool:
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_checksums(directory: str | Path, names: list[str]) -> dict[str, str]:
+    """{name: sha256} of files in a model directory (what `Manifest.files` records)."""
+    return {name: sha256_of(Path(directory) / name) for name in names}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.manifest import Manifest
+from export.manifest import TOKENIZER_NAME, Manifest
 from export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -55,7 +55,11 @@ class OnnxModel:
 
         self.model_dir = Path(model_dir)
         self.manifest = Manifest.load(self.model_dir)
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.manifest.check_files(self.model_dir)  # before any file is parsed
+        tokenizer_path = self.manifest.path_of(self.model_dir, TOKENIZER_NAME)
+        if not tokenizer_path.is_file():  # tokenizers' own error does not name the file
+            raise FileNotFoundError(f"{tokenizer_path}: the model directory has no {TOKENIZER_NAME}")
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         providers = execution_providers(device, device_id)
         self.device, self.device_id = device, device_id
         if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -71,7 +75,7 @@ class OnnxModel:
         options.enable_mem_pattern = False
         self.sessions = {}
         for name, filename in self.manifest.graphs.items():
-            path = self.model_dir / filename
+            path = self.manifest.path_of(self.model_dir, filename)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: graph {name!r} named in the manifest is missing")
             self.sessions[name] = ort.InferenceSession(str(path), options, providers=providers)

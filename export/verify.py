@@ -218,7 +218,8 @@ def _answers(task: str, outputs: dict[str, np.ndarray], ids, mask, sep) -> list:
 def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: bool = False) -> None:
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
-    from export.exporter import CheckpointError, read_config, sha256_of, task_of, weights_path
+    from export.exporter import CheckpointError, read_config, task_of, weights_path
+    from export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -26,17 +27,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from export import windows as W
 from longdoc import __version__
 from model.search import resolve_settings
+from service.access import AccessControl, AccessMiddleware
 from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from service.batching import BatchingPolicy
 from service.errors import (
-    InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, TooLarge, Unavailable, UnsupportedMediaType,
+    DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
+    Unavailable, UnsupportedMediaType,
 )
 from service.metrics import Metrics, length_buckets, length_label
 from service.settings import Settings, choose_default_models
 from service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
-    QAResponse, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens, validate_classify,
-    validate_qa, validate_summarize,
+    QAResponse, SSE_EVENT_SCHEMA, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens,
+    validate_classify, validate_qa, validate_summarize,
 )
 from service.workers import ModelInfo, Worker, onnx_worker_factory
 
@@ -177,8 +180,14 @@ class Service:
             raise InvalidRequest(f"model {name!r} is a {m.info.task} model, not {task}")
         return m
 
-    async def tokenize(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def tokenize(self, deadline: float, fn, *args):
+        """fn(*args) in the tokenizer pool, given up at the request's deadline (a long document
+        must not hold the answer past it; a call already running finishes unseen)."""
+        future = asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded during tokenization") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +196,11 @@ class Service:
 
 def _encode(info: ModelInfo, text: str, limit: int, what: str = "document"):
     # encode_batch releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB document, and
-    # every thread, the event loop included, waits); the token count is checked before the ids and
-    # offsets become Python lists
-    enc = info.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    # every thread, the event loop and the request's deadline included, waits); the token count is
+    # checked before the ids and offsets become Python lists
+    (enc,) = info.tokenizer.encode_batch([text], add_special_tokens=False)
+    if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
+        raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
     if len(enc) > limit:
         raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
     return enc.ids, enc.offsets
@@ -251,19 +262,39 @@ def _error(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
 
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (404, 413, 415, 422, 429, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 413, 415, 422, 429, 503, 504)}
+_JSON_POSTS = ("/v1/qa", "/v1/summarize", "/v1/classify")  # the routes BodyLimitMiddleware guards
+
+
+def _body_parse_error(cause: BaseException | None) -> InvalidRequest:
+    """Why a UTF-8 body failed to parse as JSON, where FastAPI only answers 400 "error parsing"."""
+    if isinstance(cause, RecursionError):
+        return InvalidRequest("body is not valid JSON: nested too deeply")
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return InvalidRequest(f"body is not valid JSON: an integer over {sys.get_int_max_str_digits()} digits")
+    return InvalidRequest("body is not valid JSON")
 
 
 class BodyLimitMiddleware:
-    """Before any parsing: POST bodies must be JSON and at most `max_bytes` (413 otherwise)."""
+    """Before any parsing: POST bodies to the task routes must be JSON and at most `max_bytes`
+    (413 otherwise). Other paths and methods pass untouched, to be answered 404 or 405.
 
-    def __init__(self, app, max_bytes: int, max_json_tokens: int):
+    A body must arrive whole within `timeout_s` (408: a client that sends part and goes quiet
+    holds nothing for long), and all bodies buffered by requests not yet answered stay within
+    `max_bytes_in_flight` (503 with Retry-After over it, before the rest of that body is read).
+    Bodies with more JSON strings and separators than `max_json_tokens` are refused (413) before
+    any parse (`scan_json_tokens`)."""
+
+    def __init__(self, app, max_bytes: int, max_json_tokens: int, timeout_s: float, max_bytes_in_flight: int):
         self.app = app
         self.max_bytes = max_bytes
         self.max_json_tokens = max_json_tokens
+        self.timeout_s = timeout_s
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.bytes_in_flight = 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_POSTS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -272,22 +303,44 @@ class BodyLimitMiddleware:
                 f"content type {ctype.decode('latin-1') or 'missing'}: send application/json"))(scope, receive, send)
         length = headers.get(b"content-length")
         too_large = TooLarge(f"request body over {self.max_bytes} bytes")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _error(too_large)(scope, receive, send)
-        # read the whole (bounded) body first: size and UTF-8 are checked before any parsing
-        chunks, seen = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_bytes:
+        busy = Unavailable("too many request bytes in flight; retry later", {"Retry-After": "1"})
+        if length is not None and length.isdigit():
+            if int(length) > self.max_bytes:
                 return await _error(too_large)(scope, receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+            if int(length) > self.max_bytes_in_flight - self.bytes_in_flight:
+                return await _error(busy)(scope, receive, send)
+        held = 0  # this request's share of bytes_in_flight, until it is answered
+        try:
+            # read the whole (bounded) body first: size and UTF-8 are checked before any parsing
+            chunks, seen = [], 0
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    late = RequestTimeout(f"request body not received within {self.timeout_s:g} s")
+                    return await _error(late)(scope, receive, send)
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if seen > self.max_bytes:
+                    return await _error(too_large)(scope, receive, send)
+                if self.bytes_in_flight + len(chunk) > self.max_bytes_in_flight:
+                    return await _error(busy)(scope, receive, send)
+                self.bytes_in_flight += len(chunk)
+                held += len(chunk)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            del chunks  # the body is held once while the request runs, as bytes_in_flight counts it
+            await self._forward(body, scope, receive, send)
+        finally:
+            self.bytes_in_flight -= held
+
+    async def _forward(self, body: bytes, scope, receive, send):
+        """The UTF-8 check, then the app, which reads the buffered body."""
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -330,13 +383,55 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     # a request's strings and separators: its fields (a dozen keys and values) and documents
-    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents,
+                       timeout_s=settings.body_timeout_s, max_bytes_in_flight=settings.max_body_bytes_in_flight)
+    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst)
+    if not access.enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without API keys: anyone who can reach it may call it "
+                    "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)
+
+    def count_failure(path: str, exc: ServiceError) -> None:
+        endpoint = path.rsplit("/", 1)[-1]
+        if endpoint in TASKS:
+            service.metrics.failures.labels(endpoint, exc.reason).inc()
+
+    # added last, so outermost: a caller without a key gets no further (not even its body read)
+    app.add_middleware(AccessMiddleware, access=access, open_paths=settings.open_paths,
+                       on_refused=count_failure, error_response=_error)
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema plus this server's own limits, so that clients generated from it
+        agree with validation (sizes are in bytes of UTF-8 on the server, characters here)."""
+        if app.openapi_schema is None:
+            bodies = base_openapi()["components"]["schemas"]
+            for name in ("QARequest", "SummarizeRequest", "ClassifyRequest"):
+                props = bodies[name]["properties"]
+                props["documents"]["maxItems"] = settings.max_documents
+                for text in (props["document"], props["documents"]["items"], props.get("question", {})):
+                    text["maxLength"] = settings.max_document_bytes
+                for option in props["timeout"]["anyOf"]:
+                    if option["type"] == "number":
+                        option["maximum"] = settings.max_request_timeout_s
+            if access.enabled:  # every operation but the open paths needs the bearer key
+                bearer = {"type": "http", "scheme": "bearer"}
+                app.openapi_schema["components"]["securitySchemes"] = {"apiKey": bearer}
+                for path, operations in app.openapi_schema["paths"].items():
+                    if path not in settings.open_paths:
+                        for operation in operations.values():
+                            operation["security"] = [{"apiKey": []}]
+            caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
+            if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)
+                for option in bodies["SummarizeRequest"]["properties"]["max_new_tokens"]["anyOf"]:
+                    if option["type"] == "integer":
+                        option["maximum"] = min(option["maximum"], max(caps))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
-        endpoint = request.url.path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, exc.reason).inc()
+        count_failure(request.url.path, exc)
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -348,14 +443,19 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 parts.append(f"body is not valid JSON: {error} at character {e['loc'][-1]}")
                 continue
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-            parts.append(f"{where}: {e.get('msg', 'invalid')}")
-        endpoint = request.url.path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, "validation").inc()
-        return _error(InvalidRequest("; ".join(parts) or "invalid request"))
+            msg = e.get("msg", "invalid")
+            if e.get("type") == "json_invalid":
+                msg = "body is not valid JSON (or not valid UTF-8)"
+            elif e.get("type") == "value_error":  # our validators' own sentences, which name the field
+                msg = str(e.get("ctx", {}).get("error", msg))
+                where = "" if where == "body" else where
+            parts.append(f"{where}: {msg}" if where else msg)
+        return await _service_error(request, InvalidRequest("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            return await _service_error(request, _body_parse_error(exc.__cause__))
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"type": kind, "message": str(exc.detail)}}, exc.status_code,
                             headers=getattr(exc, "headers", None))
@@ -442,7 +542,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_qa, model.info, job, settings.qa_stride,
+            prepared = await service.tokenize(job.common.deadline, _prepare_qa, model.info, job, settings.qa_stride,
                                               settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w.input_ids, w.token_type_ids) for windows, _, _ in prepared for w in windows]
@@ -476,8 +576,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_classify, model.info, job, settings.classify_stride,
-                                              settings.max_document_tokens)
+            prepared = await service.tokenize(job.common.deadline, _prepare_classify, model.info, job,
+                                              settings.classify_stride, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w, None) for windows, _ in prepared for w in windows]
             results = await model.engine.submit(seqs, state)
@@ -497,7 +597,9 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         return await serve(request, "classify", work)
 
     # ---- summarization
-    @app.post("/v1/summarize", response_model=SummarizeResponse, responses=_ERRORS, tags=["tasks"])
+    @app.post("/v1/summarize", response_model=SummarizeResponse, tags=["tasks"], responses={
+        **_ERRORS, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                         "description": "JSON; with `stream: true`, server-sent events"}})
     async def summarize(body: SummarizeRequest, request: Request):
         """Summarize each document (truncated at the encoder's maximum; `usage.truncated` says so).
         With `stream: true`, server-sent events: `token` events `{"id", "text"}`, then `done`
@@ -515,7 +617,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(_prepare_summarize, model.info, job, settings.max_document_tokens)
+            prepared = await service.tokenize(job.common.deadline, _prepare_summarize, model.info, job,
+                                              settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
             streams = [await model.engine.submit(ids, search, state) for ids, _, _ in prepared]

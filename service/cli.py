@@ -26,7 +26,8 @@ def add_commands(subparsers) -> None:
         p.set_defaults(func=lambda args: _raise(exc))  # longdoc.cli names the extra to install
         return
     for name, field in Settings.model_fields.items():
-        _add_setting_flag(p, name, field)
+        if not (field.json_schema_extra or {}).get("no_flag"):  # secrets: a flag would show in `ps`
+            _add_setting_flag(p, name, field)
     p.set_defaults(func=serve)
 
 
@@ -163,6 +164,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
+    from service.connections import limited_protocol
 
     settings = build_settings(args)
     check_models(settings)
@@ -179,7 +181,8 @@ def serve(args: argparse.Namespace) -> int:
     # and answers its plain-text 500 instead
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-                            access_log=False)
+                            access_log=False,
+                            http=limited_protocol(settings.header_timeout_s, settings.max_connections))
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -27,6 +27,12 @@ class UnsupportedMediaType(ServiceError):
     status, type, reason = 415, "unsupported_media_type", "validation"
 
 
+class RequestTimeout(ServiceError):
+    """The client did not send its request (headers or body) in time."""
+
+    status, type, reason = 408, "request_timeout", "request_timeout"
+
+
 class TooLarge(ServiceError):
     status, type, reason = 413, "too_large", "too_large"
 
@@ -36,6 +42,22 @@ class Overloaded(ServiceError):
 
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class RateLimited(ServiceError):
+    """One API key over its request rate (service/access.py); Overloaded is the server's queue."""
+
+    status, type, reason = 429, "rate_limited", "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class Unauthorized(ServiceError):
+    status, type, reason = 401, "unauthorized", "unauthorized"
+
+    def __init__(self, message: str):
+        super().__init__(message, {"WWW-Authenticate": "Bearer"})
 
 
 class Unavailable(ServiceError):

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 # Default padded-token budget of one batch, per worker device (`max_batch_tokens` unset). On a
@@ -55,7 +56,8 @@ class Settings(BaseSettings):
     max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
     # the share of max_queue_tokens that only small requests may fill (docs/service.md, "Admission
     # and fairness"); a request over the rest is refused with 413
-    small_request_share: float = Field(0.25, ge=0, lt=1, description="share of max_queue_tokens kept for small requests")
+    small_request_share: float = Field(
+        0.25, ge=0, lt=1, description="share of max_queue_tokens kept for small requests")
     max_decode_batch: int = Field(16, ge=1, description="sequences decoding together (summarize)")
 
     # request limits
@@ -67,6 +69,27 @@ class Settings(BaseSettings):
                                                                 "overlap")
     request_timeout_s: float = Field(60.0, gt=0, description="deadline of a request without X-Request-Timeout")
     max_request_timeout_s: float = Field(600.0, gt=0, description="the largest X-Request-Timeout accepted")
+
+    # slow or huge uploads (service/connections.py, service.app.BodyLimitMiddleware)
+    header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
+    body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
+    max_connections: int = Field(512, ge=1, description="open connections; over it a new one gets 503")
+    max_body_bytes_in_flight: int = Field(
+        256 * 2**20, ge=1, description="request body bytes buffered by all unanswered requests; over it 503")
+
+    # access (service/access.py): with keys, every path but `open_paths` needs `Authorization:
+    # Bearer KEY`. Keys: LONGDOC_API_KEYS="k1,k2" and/or a file (one per line, e.g. a mounted
+    # Kubernetes Secret); SecretStr keeps them out of reprs and logs.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, json_schema_extra={"no_flag": True},
+        description="API keys, comma-separated or a JSON list (a variable only: a flag would show in `ps`)")
+    api_key_file: Path | None = Field(None, description="a file of API keys, one per line (e.g. a mounted Secret)")
+    open_paths: list[str] = Field(default_factory=lambda: ["/livez", "/readyz", "/metrics"],
+                                  json_schema_extra={"flag": "open-path", "metavar": "PATH"},
+                                  description="paths answered without an API key (repeatable)")
+    rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key")
+    rate_limit_burst: int | None = Field(
+        None, ge=1, description="requests one key may send at once; unset: the rate, rounded up")
 
     # lifecycle
     warmup: bool = Field(True, description="run each worker once at the maximum length before /readyz says yes")
@@ -94,6 +117,27 @@ class Settings(BaseSettings):
             raise ValueError(f"request_timeout_s {self.request_timeout_s} exceeds max_request_timeout_s "
                              f"{self.max_request_timeout_s}")
         return self
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        if isinstance(value, str):  # LONGDOC_API_KEYS="k1,k2" (or a JSON list, like the other list settings)
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    def all_api_keys(self) -> list[str]:
+        """`api_keys` and the lines of `api_key_file` (read now: a rotated Secret needs a restart)."""
+        from service.access import read_key_file
+
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_key_file is not None:
+            from_file = read_key_file(self.api_key_file)
+            if not from_file:  # an empty Secret must not switch authentication off
+                raise ValueError(f"api_key_file {self.api_key_file} holds no keys")
+            keys += from_file
+        return keys
 
     @field_validator("devices")
     @classmethod

@@ -3,12 +3,15 @@ After `validate_*` nothing downstream re-checks user input."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from dataclasses import dataclass
+from typing import Annotated, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from service.errors import InvalidRequest, TooLarge
 
@@ -49,36 +52,90 @@ def scan_json_tokens(body: bytes, limit: int, chunk: int = 1 << 18):
                 pos += 2
             yield
 
+MIN_TIMEOUT_S = 0.001  # a deadline shorter than this cannot be met (the body or X-Request-Timeout)
+_ALLOWED_CONTROLS = "\t\n\r"
+_CONTROLS = "".join(chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in _ALLOWED_CONTROLS)
+# Text made only of these is blank (422, like whitespace): whitespace and the invisible format
+# characters (zero-width space/joiners, word joiner, BOM, bidi marks), which tokenize to nothing.
+_INVISIBLE = "\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e" \
+             "\u2060\u2061\u2062\u2063\u2064\u2066\u2067\u2068\u2069\ufeff"
+_BLANK = frozenset(ch for ch in map(chr, range(0x3001)) if ch.isspace()) | frozenset(_INVISIBLE)
+
+
+def _char_class(chars) -> str:
+    """Characters -> the body of a regex character class, in ranges: `\\u0000-\\u0008...`."""
+    points, out = sorted(map(ord, chars)), []
+    for p in points:
+        if out and out[-1][1] == p - 1:
+            out[-1][1] = p
+        else:
+            out.append([p, p])
+    return "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in out)
+
+
+# check_text's rules as a JSON-schema pattern (the max size is in bytes, which a schema cannot
+# say; `maxLength` is set to it in characters by the app): no control characters but tab, newline
+# and CR, and at least one character that is not blank
+TEXT_PATTERN = (f"^[^{_char_class(_CONTROLS)}]*[^{_char_class(set(_CONTROLS) | _BLANK)}]"
+                f"[^{_char_class(_CONTROLS)}]*$")
+Text = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1, "pattern": TEXT_PATTERN})]
+_NOT_BLANK = re.compile(f"[^{_char_class(_BLANK)}]")
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [{"required": ["document"]}, {"required": ["documents"]}]})
 
-    document: str | None = Field(None, description="One document; or give `documents`.")
-    documents: list[str] | None = Field(None, min_length=1, description="Several documents.")
+    # exactly one of the two, and never null (SkipJsonSchema: the schema shows no null)
+    document: Text | SkipJsonSchema[None] = Field(None, description="One document; or give `documents`.")
+    documents: Annotated[list[Text], Field(min_length=1)] | SkipJsonSchema[None] = Field(
+        None, description="Several documents (at most the server's `max_documents`).")
     model: str | None = Field(None, description="A loaded model's name; default: the task's first model.")
-    timeout: float | None = Field(None, gt=0, description="Deadline in seconds (or header X-Request-Timeout).")
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, allow_inf_nan=False,
+                                  description="Deadline in seconds (or header X-Request-Timeout).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data):
+        """Numbers must be JSON numbers: `true` and "1" are not (lax pydantic would convert them),
+        while 2.0 is an integer, as JSON Schema says (strict pydantic would refuse it)."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is not None and isinstance(value, (bool, str)) and \
+                        {int, float} & {field.annotation, *get_args(field.annotation)}:
+                    raise ValueError(f"{name}: expected a number, got {json.dumps(value)}")
+        return data
 
     @model_validator(mode="after")
     def _one_of(self):
-        if (self.document is None) == (self.documents is None):
+        given = [name for name in ("document", "documents") if name in self.model_fields_set]
+        if len(given) != 1:
             raise ValueError("give exactly one of `document` or `documents`")
+        if getattr(self, given[0]) is None:
+            raise ValueError(f"`{given[0]}` must not be null")
         return self
 
 
 class QARequest(_Body):
-    question: str = Field(..., description="The question, answered from each document.")
+    question: Text = Field(..., description="The question, answered from each document.")
     top_k: int = Field(1, ge=1, le=20)
     max_answer_tokens: int = Field(30, ge=1, le=512)
 
 
 class SummarizeRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={  # with stream: true, one document
+        **_Body.model_config["json_schema_extra"],
+        "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        "then": {"properties": {"documents": {"maxItems": 1}}}})
+
     max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Default: 128, capped by the model.")
     # unset: the model's generation default (its checkpoint's), else transformers' (1, 1.0, 0)
     num_beams: int | None = Field(None, ge=1, le=8, description="Default: the model's, else 1.")
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False,
                                          description="Default: the model's, else 1.0.")
     no_repeat_ngram_size: int | None = Field(None, ge=0, le=16, description="Default: the model's, else 0.")
-    stream: bool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
+    stream: StrictBool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
 
 
 class ClassifyRequest(_Body):
@@ -151,6 +208,14 @@ class ModelsResponse(BaseModel):
     models: list[ModelCard]
 
 
+# summarize with `stream: true`: one server-sent event (OpenAPI 3.1 reads the `schema` of
+# text/event-stream as one event). `data` is JSON: `token` {"id", "text"}, `done` a
+# SummarizeResponse, `error` an ErrorResponse.
+SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"enum": ["token", "done", "error"]},
+    "data": {"type": "string", "contentMediaType": "application/json"}}}
+
+
 class ErrorBody(BaseModel):
     type: str
     message: str
@@ -208,8 +273,8 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
         raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
     if size > max_bytes:
         raise TooLarge(f"{what} is {size} bytes; the limit is {max_bytes} bytes")
-    if not text.strip():
-        raise InvalidRequest(f"{what} is empty or only whitespace")
+    if not _NOT_BLANK.search(text):  # one regex search in C, not a Python loop over a 2 MB text
+        raise InvalidRequest(f"{what} is empty or only whitespace or invisible characters")
     if bad := _CONTROL.search(text):
         raise InvalidRequest(f"{what} contains control character U+{ord(bad.group()):04X} at offset {bad.start()}")
     return text
@@ -227,8 +292,8 @@ def _common(body: _Body, header_timeout: str | None, limits: Limits) -> Common:
             timeout = float(header_timeout)
         except ValueError:
             raise InvalidRequest(f"X-Request-Timeout {header_timeout!r} is not a number of seconds") from None
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise InvalidRequest("X-Request-Timeout must be a positive number of seconds")
+        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:
+            raise InvalidRequest(f"X-Request-Timeout must be at least {MIN_TIMEOUT_S} seconds")
     if timeout is None:
         timeout = limits.default_timeout_s
     if timeout > limits.max_timeout_s:

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from service.app import create_app
+from service.connections import limited_protocol
 from service.settings import Settings
 from service.workers import FakeWorker
 
@@ -107,7 +108,9 @@ class ThreadServer:
     def __init__(self, settings: Settings, worker_factory=None):
         self.app = create_app(settings, worker_factory=worker_factory)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+        # the connection limits `longdoc serve` runs with (service/connections.py)
+        http = limited_protocol(settings.header_timeout_s, settings.max_connections)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, http=http,
                                                     log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"

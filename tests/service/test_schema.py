@@ -2,11 +2,17 @@
 generates, the service answers without a 5xx (504 only for a deadline the request itself set)
 and every error has the one error shape. Bounded: a few examples per operation."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from service.app import _ERRORS
 from service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 
@@ -55,3 +61,30 @@ def test_no_server_errors(fake_server, path):
     assert len(seen) >= 1
     if path in ("/v1/models", "/readyz"):
         assert set(seen) == {200}
+
+
+def test_schemathesis_all_checks_pass(fake_server, tmp_path):
+    """`st run --checks all`: the schema says exactly what the server accepts and answers
+    (positive data accepted, negative data rejected, statuses, content types, methods). The
+    config adds 413 to the rejections and 504 (a deadline the request set) to the non-errors."""
+    st = Path(sys.executable).with_name("st")
+    config = Path(__file__).with_name("schemathesis.toml")
+    proc = subprocess.run(
+        [str(st), "--config-file", str(config), "run", fake_server.url + "/openapi.json", "--checks", "all",
+         "--max-examples", "15", "--workers", "1", "--seed", "1", "--no-color"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert "No issues found" in proc.stdout
+
+
+def test_schema_states_the_choices_and_limits(fake_server):
+    schema = httpx.get(fake_server.url + "/openapi.json").json()
+    body = schema["components"]["schemas"]["SummarizeRequest"]
+    assert body["oneOf"] == [{"required": ["document"]}, {"required": ["documents"]}]
+    props = body["properties"]
+    assert props["documents"]["maxItems"] == 4 and props["documents"]["minItems"] == 1
+    assert props["document"]["minLength"] == 1 and props["document"]["maxLength"] == 20_000
+    assert "type" not in props["document"] or props["document"]["type"] == "string"  # no null
+    responses = schema["paths"]["/v1/summarize"]["post"]["responses"]
+    assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {str(code) for code in _ERRORS} <= set(responses)

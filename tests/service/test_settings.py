@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,8 @@ def other_value(name: str, field) -> tuple[list[str], str, object]:
         return [flag, "a=b", flag, "c=d"], '{"a": "b", "c": "d"}', {"a": "b", "c": "d"}
     if typing.get_origin(annotation) is list:
         return [flag, "cpu", flag, "cuda:1"], '["cpu", "cuda:1"]', ["cpu", "cuda:1"]
+    if Path in kinds:
+        return [flag, "/run/keys"], "/run/keys", Path("/run/keys")
     if int in kinds:
         value = (default or 2) + 1
     elif float in kinds:
@@ -48,7 +51,18 @@ def as_plain(value):
     return value
 
 
-@pytest.mark.parametrize("name", sorted(Settings.model_fields))
+FLAGLESS = {"api_keys"}  # secrets: a variable or a file only (a flag would show in `ps`)
+
+
+def test_secrets_have_no_flag(monkeypatch):
+    help_text = serve_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "--api-keys" not in help_text and "--api-key-file" in help_text
+    monkeypatch.setenv("LONGDOC_API_KEYS", "k1,k2")
+    settings = cli.build_settings(serve_parser().parse_args(["serve", "--model", "a=/m"]))
+    assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
+
+
+@pytest.mark.parametrize("name", sorted(set(Settings.model_fields) - FLAGLESS))
 def test_every_setting_has_a_flag_and_a_variable(name, monkeypatch):
     field = Settings.model_fields[name]
     flag_args, env_value, expected = other_value(name, field)

@@ -1,0 +1,192 @@
+"""Slow and huge uploads (issue 12, item 5): header and body read timeouts (408), a connection cap
+(503) and a cap on request-body bytes in flight (503), all in the error shape, against a real
+uvicorn on a loopback port (and the body middleware driven directly where ordering matters)."""
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from service.app import BodyLimitMiddleware
+from service.settings import Settings
+from tests.service.conftest import ThreadServer, fake_factory
+
+MODELS = {"cls": "classify"}
+
+
+def server(**settings):
+    return ThreadServer(Settings(models=MODELS, **settings), worker_factory=fake_factory())
+
+
+def connect(srv) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+    return s
+
+
+def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response with a content-length: (status, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        chunk = s.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def assert_error(status, body, expected_status, type_):
+    assert status == expected_status, body
+    assert set(json.loads(body)) == {"error"} and json.loads(body)["error"]["type"] == type_, body
+
+
+def closed(s: socket.socket) -> bool:
+    return s.recv(1) == b""
+
+
+GET_LIVEZ = b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+def test_headers_sent_slowly_get_408_and_the_connection_closes():
+    with server(header_timeout_s=0.3) as srv, connect(srv) as s:
+        s.sendall(b"GET /livez HTTP/1.1\r\nhos")  # ... and nothing more
+        status, _, body = read_response(s)
+        assert_error(status, body, 408, "request_timeout")
+        assert closed(s)
+
+
+def test_keep_alive_requests_and_slow_answers_are_not_cut_by_the_header_timeout():
+    with server(header_timeout_s=0.3) as srv:
+        with connect(srv) as s:
+            for _ in range(3):
+                s.sendall(GET_LIVEZ)
+                assert read_response(s)[0] == 200
+            s.sendall(b"GET /livez HTTP/1.1\r\n")  # then stalls: the next request is timed too
+            assert read_response(s)[0] == 408
+    slow = fake_factory(classify={"delay_s": 0.6})  # the answer takes longer than the header timeout
+    with ThreadServer(Settings(models=MODELS, header_timeout_s=0.3), worker_factory=slow) as srv, \
+            connect(srv) as s:
+        body = json.dumps({"document": "good"}).encode()
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        status, _, answer = read_response(s)
+        assert status == 200, answer
+
+
+def test_connections_over_the_cap_get_503():
+    with server(max_connections=2) as srv:
+        held = [connect(srv), connect(srv)]
+        for s in held:  # each is registered once it has been answered
+            s.sendall(GET_LIVEZ)
+            assert read_response(s)[0] == 200
+        with connect(srv) as third:
+            status, headers, body = read_response(third)
+            assert_error(status, body, 503, "unavailable")
+            assert headers["retry-after"] == "1" and closed(third)
+        for s in held:  # the held ones still work
+            s.sendall(GET_LIVEZ)
+            assert read_response(s)[0] == 200
+            s.close()
+
+
+def test_a_body_that_stops_arriving_gets_408():
+    with server(body_timeout_s=0.3) as srv, connect(srv) as s:
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 1000\r\n\r\n{\"document\": \"")  # 15 of 1000 bytes, then quiet
+        status, _, body = read_response(s)
+        assert_error(status, body, 408, "request_timeout")
+
+
+# --- bytes in flight: BodyLimitMiddleware driven directly, the order set by events
+
+
+class Client:
+    """One request's ASGI side: body chunks fed by the test, the response recorded."""
+
+    def __init__(self, content_length: int | None):
+        headers = [(b"content-type", b"application/json")]
+        if content_length is not None:
+            headers.append((b"content-length", str(content_length).encode()))
+        self.scope = {"type": "http", "method": "POST", "path": "/v1/classify", "headers": headers}
+        self.chunks: asyncio.Queue = asyncio.Queue()
+        self.waiting = asyncio.Event()  # set when the middleware asks for a chunk not yet fed
+        self.status = None
+        self.body = b""
+
+    def feed(self, data: bytes, more: bool):
+        self.chunks.put_nowait({"type": "http.request", "body": data, "more_body": more})
+
+    async def receive(self):
+        if self.chunks.empty():
+            self.waiting.set()
+        return await self.chunks.get()
+
+    async def send(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        else:
+            self.body += message.get("body", b"")
+
+
+def test_body_bytes_in_flight_are_capped_and_released():
+    async def go():
+        answered, release = asyncio.Event(), asyncio.Event()
+        entered = asyncio.Event()
+
+        async def app(scope, receive, send):  # holds the request (and its body) until released
+            message = await receive()
+            entered.set()
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": message["body"]})
+            answered.set()
+
+        mw = BodyLimitMiddleware(app, max_bytes=10_000, max_json_tokens=1000, timeout_s=30, max_bytes_in_flight=1000)
+        a = Client(None)  # chunked: counted as it arrives
+        a.feed(b"x" * 600, more=True)
+        task_a = asyncio.ensure_future(mw(a.scope, a.receive, a.send))
+        await a.waiting.wait()  # a's first chunk is buffered, the middleware waits for more
+        assert mw.bytes_in_flight == 600
+        b = Client(500)  # declared: refused before its body is read
+        await mw(b.scope, b.receive, b.send)
+        c = Client(None)
+        c.feed(b"y" * 300, more=True)
+        c.feed(b"y" * 300, more=False)
+        await mw(c.scope, c.receive, c.send)  # refused at the chunk that goes over
+        a.feed(b"x" * 300, more=False)
+        await entered.wait()
+        in_flight_while_held = mw.bytes_in_flight
+        release.set()
+        await task_a
+        d = Client(900)  # a answered: its bytes are released
+        d.feed(b"z" * 900, more=False)
+        release.set()
+        await mw(d.scope, d.receive, d.send)
+        return a, b, c, d, in_flight_while_held, mw.bytes_in_flight
+
+    a, b, c, d, held, after = asyncio.run(go())
+    assert a.status == 200 and len(a.body) == 900 and held == 900
+    for refused in (b, c):
+        assert_error(refused.status, refused.body, 503, "unavailable")
+    assert d.status == 200 and after == 0
+
+
+@pytest.mark.parametrize("flag, field, value", [
+    ("--header-timeout-s", "header_timeout_s", 2.5), ("--body-timeout-s", "body_timeout_s", 9.0),
+    ("--max-connections", "max_connections", 64), ("--max-body-bytes-in-flight", "max_body_bytes_in_flight", 10**8),
+])
+def test_serve_flags(flag, field, value):
+    import argparse
+
+    from service import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    s = cli.build_settings(parser.parse_args(["serve", "--model", "q=/m", flag, str(value)]))
+    assert getattr(s, field) == value

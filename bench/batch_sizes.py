@@ -1,4 +1,4 @@
-"""Offline encoder throughput by batch size and sequence length (export.runtime.OnnxModel, no
+"""Offline encoder throughput by batch size and sequence length (longdoc.export.runtime.OnnxModel, no
 HTTP), interleaved: for each length, several rounds over the batch sizes (alternating order), each
 timing about the same number of tokens; prints the best and the median sequences/s per size.
 This is the measurement behind the CPU default of `max_batch_tokens` (docs/service.md, "CPU
@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     m = OnnxModel(args.model_dir, threads=args.threads)
     vocab = m.tokenizer.get_vocab_size()

@@ -70,7 +70,7 @@ def prepare(work: Path, max_position: int, log) -> dict[str, Path]:
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
     from tests.tiny_models import tiny_tokenizer
 
     paths = {}
@@ -169,7 +169,7 @@ def load(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0):
         # ORT's default session options; like ours (export/runtime.py), the heap freed while
         # loading goes back to the OS (not an ORT option: it applies to any session equally)
         sys.path.insert(0, str(ROOT))
-        from export.runtime import _release_freed_heap
+        from longdoc.export.runtime import _release_freed_heap
 
         _release_freed_heap()
 
@@ -177,7 +177,7 @@ def load(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0):
             session.run(None, {"input_ids": ids, "attention_mask": mask})
     else:
         sys.path.insert(0, str(ROOT))
-        from export.runtime import OnnxModel
+        from longdoc.export.runtime import OnnxModel
 
         model = OnnxModel(path, threads=threads)
 
@@ -336,8 +336,8 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
     from onnx import numpy_helper
 
     sys.path.insert(0, str(ROOT))
-    from export.runtime import OnnxModel
-    from model.layout import _build_layout
+    from longdoc.export.runtime import OnnxModel
+    from longdoc.model.layout import _build_layout
 
     m = OnnxModel(model_dir, threads=threads)
     _build_layout.cache_clear()

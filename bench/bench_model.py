@@ -58,7 +58,7 @@ def _load(impl: str, checkpoint: str):
         from transformers import BigBirdModel
 
         return BigBirdModel.from_pretrained(checkpoint).eval()
-    from model.checkpoint import load_pretrained
+    from longdoc.model.checkpoint import load_pretrained
 
     return load_pretrained(checkpoint, plan="hf-eval", architecture="BigBirdModel")
 

@@ -29,9 +29,9 @@ def main() -> None:
     import httpx
     import uvicorn
 
-    from service.app import create_app
-    from service.settings import Settings
-    from service.workers import FakeWorker
+    from longdoc.service.app import create_app
+    from longdoc.service.settings import Settings
+    from longdoc.service.workers import FakeWorker
 
     app = create_app(Settings(models={"cls": "classify"}, warmup=False),
                      worker_factory=lambda name, directory, device, settings: FakeWorker(name, str(directory)))

@@ -3,7 +3,7 @@
 Starts the server itself (one subprocess per batching mode) on 127.0.0.1, sweeps client
 concurrency, and prints throughput and p50/p95/p99 latency, with dynamic batching on and off.
 Also measures the offline throughput of the same model at several batch sizes
-(export.runtime.OnnxModel, no HTTP; the reference is the best of them), open-loop latency at a
+(longdoc.export.runtime.OnnxModel, no HTTP; the reference is the best of them), open-loop latency at a
 fraction of saturation for Poisson and paced arrivals next to an ideal FIFO server replaying the
 same send times (service time = offline batch-1 latency: the queueing a perfect server would
 show too), and the service overhead: client latency minus the server's x-inference-time.
@@ -177,9 +177,9 @@ def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: i
                        max_seconds: float) -> float:
     """Documents per second running the model directly in batches (no HTTP, no queue)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
-    from export.windows import classify_windows, qa_windows
+    from longdoc.export.windows import classify_windows, qa_windows
 
     m = OnnxModel(model_dir, threads=threads)
     tok = m.tokenizer
@@ -219,7 +219,7 @@ def make_bench_model(directory: str, task: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
     from tests.tiny_models import make_tiny_checkpoint
 
     torch.set_num_threads(1)

@@ -82,7 +82,7 @@ def phase_make(ckpt: str, kind: str, task: str, config: dict) -> dict:
 
 
 def phase_export(ckpt: str, out: str, task: str, dtype: str) -> dict:
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
 
     start = time.perf_counter()
     export_model(ckpt, out, task, dtype=dtype, progress=lambda m: log(f"  export {dtype}: {m}"))
@@ -92,7 +92,7 @@ def phase_export(ckpt: str, out: str, task: str, dtype: str) -> dict:
 
 
 def phase_verify(model_dir: str, ckpt: str, against: str, lengths: list[int], threads: int) -> dict:
-    from export.verify import verify_model
+    from longdoc.export.verify import verify_model
 
     start = time.perf_counter()
     report = verify_model(model_dir, ckpt, against=against, lengths=lengths, threads=threads,
@@ -112,7 +112,7 @@ def phase_generate(model_dir: str, ckpt: str, tokens: int, new_tokens: int, thre
     import torch
     import transformers
 
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     torch.set_num_threads(threads)
     ours = OnnxModel(model_dir, threads=threads)

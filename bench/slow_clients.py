@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def serve(port: int, overrides: dict) -> None:
     import uvicorn
 
-    from service.app import create_app
-    from service.connections import limited_protocol
-    from service.settings import Settings
-    from service.workers import FakeWorker
+    from longdoc.service.app import create_app
+    from longdoc.service.connections import limited_protocol
+    from longdoc.service.settings import Settings
+    from longdoc.service.workers import FakeWorker
 
     settings = Settings(models={"cls": "classify"}, port=port, **overrides)
     app = create_app(settings, worker_factory=lambda name, d, device, s: FakeWorker(name=name, task=str(d)))

@@ -4,7 +4,7 @@
 
 1. Copies the checkpoint to data/cache/ship/ and names [CLS] in its config (`cls_token_id`:
    BERT-born configs only carry bos/sep, and the manifest reads cls from the config).
-2. `longdoc export` (export.exporter.export_model) to the model directory.
+2. `longdoc export` (longdoc.export.exporter.export_model) to the model directory.
 3. Stores the embedding tables (word pieces 30522 x 384, positions 4096 x 384: about 53 MB in
    fp32, most of an int8 model, since dynamic quantization only touches MatMul weights) as fp16
    and casts the gathered rows back to fp32: Gather(table16, ids) -> Cast. Same ops (Gather,
@@ -71,7 +71,7 @@ def shrink_embedding_tables(path: Path, names=SHRINK_TABLES) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.build_manpages import minilm_dir
-    from model.warmstart import warm_start
+    from longdoc.model.warmstart import warm_start
 
     torch.set_num_threads(args.threads)
     warm_start(minilm_dir(), CHECKPOINT, 4096, block_size=64, num_random_blocks=3)

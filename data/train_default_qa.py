@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.build_manpages import minilm_dir
-    from model.warmstart import warm_start
+    from longdoc.model.warmstart import warm_start
 
     torch.set_num_threads(args.threads)
     if args.init is None:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_time_boxed(task: str, model: str, args, save_every: int) -> int:
     """`longdoc train` with the settings every default-model script uses (CPU, log each step, keep
     2 checkpoints); `args` carries train, output, max_length, batch_size, max_steps, lr, seed."""
-    from model.train import TrainConfig, train
+    from longdoc.model.train import TrainConfig, train
 
     cfg = TrainConfig(task=task, model=model, train=args.train, output=args.output,
                       max_length=args.max_length, batch_size=args.batch_size, max_steps=args.max_steps,

@@ -81,8 +81,8 @@ def build_init(out_dir: str | Path = INIT) -> Path:
     from safetensors.torch import load_file
 
     from data.build_manpages import load_tokenizer, minilm_dir
-    from model.checkpoint import save_pretrained
-    from model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration
+    from longdoc.model.checkpoint import save_pretrained
+    from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration
 
     out = Path(out_dir)
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def build_mix(train: str | Path, out: str | Path) -> Path:
     DESCRIPTION). The auxiliary target is what the lead-description baseline outputs; learning to
     find and copy it is the skill the NAME line (a paraphrase of that sentence, usually) needs and a
     randomly initialised decoder lacks. Only training pages are used: no test page is read."""
-    from export.evaluate import lead_description
+    from longdoc.export.evaluate import lead_description
 
     out = Path(out)
     rows = [json.loads(line) for line in Path(train).read_text().splitlines() if line.strip()]
@@ -236,7 +236,7 @@ def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8",
     """checkpoint -> shrunk vocabulary (data/cache/ship/summarize) -> `longdoc export` -> fp16
     embedding tables (H's data.ship_model.shrink_embedding_tables) -> LICENSE files."""
     from data.ship_model import DATA_DIR, shrink_embedding_tables
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
 
     output = Path(output)
     staged = DATA_DIR / "cache" / "ship" / "summarize"
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from model.train import TrainConfig, train
+    from longdoc.model.train import TrainConfig, train
 
     torch.set_num_threads(args.threads)
     start = args.init or (INIT if args.resume else str(build_init()))

@@ -1,2 +1,2 @@
 """Export BigBird models to plain ONNX (block-sparse attention as Gather/MatMul) and run
-them with ONNX Runtime. `export.runtime` and `export.manifest` need no torch."""
+them with ONNX Runtime. `longdoc.export.runtime` and `longdoc.export.manifest` need no torch."""

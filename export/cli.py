@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from export.verify import Agreement
+from longdoc.export.verify import Agreement
 
 
 def add_commands(subparsers) -> None:
@@ -70,7 +70,7 @@ def _lengths(text: str) -> list[int]:
 def _export(args: argparse.Namespace) -> int:
     import time
 
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
 
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
@@ -87,7 +87,7 @@ def _export(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     import sys
 
-    from export.verify import VerifyError, verify_model
+    from longdoc.export.verify import VerifyError, verify_model
 
     agreement = Agreement(span=args.min_span_agreement, span_in_top=args.min_top3_agreement,
                           label=args.min_label_agreement, tokens=args.min_token_agreement,

@@ -29,7 +29,7 @@ def add_commands(subparsers) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from export.evaluate import evaluate
+    from longdoc.export.evaluate import evaluate
 
     if args.model_dir is None and not args.baselines_only:
         raise ValueError("give MODEL_DIR, or --baselines-only with --task")

@@ -1,5 +1,5 @@
 """Evaluate an exported model directory on a held-out JSONL file, through ONNX Runtime
-(`export.runtime.OnnxModel`: what users get), beside simple baselines. No torch.
+(`longdoc.export.runtime.OnnxModel`: what users get), beside simple baselines. No torch.
 
     longdoc eval models/qa --data data/cache/manpages/qa_test.jsonl
     longdoc eval models/summarize --data data/cache/manpages/summarize_test.jsonl
@@ -146,9 +146,9 @@ def answer_token_index(tokenizer, context: str, start: int, end: int) -> int:
 def read_qa_windows(model, question: str, context: str, max_length: int, stride: int | None = None,
                     max_windows: int | None = None):
     """(windows, start logits, end logits, token offsets) of a page read as the service reads it
-    (`export.windows.qa_windows`: `[CLS] question [SEP] doc[a:b] [SEP]`), one window at a time
+    (`longdoc.export.windows.qa_windows`: `[CLS] question [SEP] doc[a:b] [SEP]`), one window at a time
     through ONNX Runtime; only the first `max_windows` windows when given."""
-    from export.windows import qa_windows
+    from longdoc.export.windows import qa_windows
 
     sp = model.manifest.special_tokens
     q = model.tokenizer.encode(question, add_special_tokens=False).ids
@@ -166,8 +166,8 @@ def read_qa_windows(model, question: str, context: str, max_length: int, stride:
 def qa_spans(model, question: str, context: str, max_length: int, max_answer_tokens: int,
              stride: int | None = None, top_k: int = 1):
     """(the top_k answer spans, the number of windows read) as the service finds them: its
-    windows and its span search (`export.windows.best_spans`)."""
-    from export.windows import best_spans
+    windows and its span search (`longdoc.export.windows.best_spans`)."""
+    from longdoc.export.windows import best_spans
 
     windows, starts, ends, offsets = read_qa_windows(model, question, context, max_length, stride)
     return best_spans(windows, starts, ends, offsets, top_k, max_answer_tokens), len(windows)
@@ -223,7 +223,7 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
     and span search (`qa_spans`): "model", every window of the page (what the service answers);
     "first-window", only the first max_length-token window; "first-512", only the first 512-token
     window. Subsets: answers whose last token lies beyond the 512-token window's document part."""
-    from export.windows import best_spans
+    from longdoc.export.windows import best_spans
 
     tok, max_length = model.tokenizer, model.manifest.max_length
     short = min(BASELINE_QA_LENGTH, max_length)
@@ -260,8 +260,8 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
 
 def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num_beams: int | None = None,
                        progress=None) -> tuple[list[dict], list[dict]]:
-    from export.generation import generate, generated_tokens, settings_for
-    from export.windows import summarize_window
+    from longdoc.export.generation import generate, generated_tokens, settings_for
+    from longdoc.export.windows import summarize_window
 
     systems = {"lead": lead, "lead-description": lead_description}
     scores = {name: [] for name in ["model", *systems] if name != "model" or model is not None}
@@ -316,7 +316,7 @@ def evaluate(model_dir: str | Path | None, data: str | Path, task: str | None = 
              max_answer_tokens: int = 128, quiet: bool = False) -> tuple[Report, list[dict]]:
     model = None
     if model_dir is not None:
-        from export.runtime import OnnxModel
+        from longdoc.export.runtime import OnnxModel
 
         model = OnnxModel(model_dir, threads=threads)
         if task is not None and task != model.manifest.task:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from export.graph import OPSET, save_model
-from export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
-                             build_pegasus_decoder, build_pegasus_encoder)
-from export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
-from model.layout import checkpoint_attention_spec
-from model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from model.tokenization import special_token_ids
+from longdoc.export.graph import OPSET, save_model
+from longdoc.export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
+                                     build_pegasus_decoder, build_pegasus_encoder)
+from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
+from longdoc.model.layout import checkpoint_attention_spec
+from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
+from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
@@ -231,12 +231,12 @@ def replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old)
 
 
-# the manifest's generation defaults; eos and pad come from its special tokens (export.generation)
+# the manifest's generation defaults; eos and pad come from its special tokens (longdoc.export.generation)
 GENERATION_KEYS = tuple(k for k in GENERATION_FIELDS if k not in ("eos_token_id", "pad_token_id"))
 
 
 def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
-    """The checkpoint's generation settings (`model.search.checkpoint_generation_defaults`)."""
+    """The checkpoint's generation settings (`longdoc.model.search.checkpoint_generation_defaults`)."""
     try:
         defaults = checkpoint_generation_defaults(checkpoint_dir, config)
     except ValueError as exc:

@@ -1,9 +1,9 @@
 """Greedy and beam search over ONNX Runtime (no torch): model/search.py's NumPy search driven by
-an export.runtime.OnnxModel's decoder graph, so the exported path produces the same tokens as the
+a longdoc.export.runtime.OnnxModel's decoder graph, so the exported path produces the same tokens as the
 PyTorch model (model/generation.py runs the same search).
 
 Return value: one list of token ids per input row, starting with decoder_start_token_id (as
-model.generation and transformers return it), without trailing fill tokens.
+longdoc.model.generation and transformers return it), without trailing fill tokens.
 
 `should_stop` (optional, any search): called before the encoder and before every decoder step,
 from whatever thread runs the search; when it returns true the search raises `GenerationStopped`
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from model.search import GenerationStopped, SearchSettings, beam_search, check_stop, greedy_search, resolve_settings
+from longdoc.model.search import GenerationStopped, SearchSettings, beam_search, check_stop, greedy_search, resolve_settings
 
 __all__ = ["GenerationStopped", "SearchSettings", "generate", "generated_tokens", "search_defaults", "settings_for"]
 
@@ -67,7 +67,7 @@ def settings_for(manifest, max_new_tokens=None, num_beams=None, length_penalty=N
 
 def generate(model, input_ids, attention_mask=None, should_stop: Callable[[], bool] | None = None,
              settings: SearchSettings | None = None, **options) -> list[list[int]]:
-    """Greedy (num_beams 1) or beam search with an export.runtime.OnnxModel; `settings` as
+    """Greedy (num_beams 1) or beam search with a longdoc.export.runtime.OnnxModel; `settings` as
     resolved already (the service), else `settings_for(model.manifest, **options)`."""
     s = settings if settings is not None else settings_for(model.manifest, **options)
     input_ids = np.asarray(input_ids, dtype=np.int64)

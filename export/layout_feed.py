@@ -1,6 +1,6 @@
 """Host side of the block-sparse graph: the layout graph inputs for one padded length.
 
-NumPy only (no onnx, no torch): `export.runtime` imports this on serving machines, which have
+NumPy only (no onnx, no torch): `longdoc.export.runtime` imports this on serving machines, which have
 onnxruntime but not the `onnx` package. The graph side is `export/sparse_attention.py`.
 """
 
@@ -12,7 +12,7 @@ LAYOUT_INPUTS = ("layout_key_blocks", "layout_valid", "global_blocks", "block_so
 
 
 def layout_feed(layouts, n_blocks: int) -> dict[str, np.ndarray]:
-    """Stack per-layer `model.layout.Layout`s into the graph's layout inputs."""
+    """Stack per-layer `longdoc.model.layout.Layout`s into the graph's layout inputs."""
     global_rows = layouts[0].global_rows
     for layout in layouts[1:]:
         if not np.array_equal(layout.global_rows, global_rows):

@@ -1,6 +1,6 @@
 """BigBird and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
 
-Weight names are transformers' (what `model.save_pretrained` writes and the public checkpoints
+Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
 
 - BigBird encoder (post-LN), heads: QA (with transformers' question-token masking), sequence
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 import numpy as np
 from onnx import TensorProto
 
-from export.graph import NEG_INF, GraphBuilder
-from export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
-                                     declare_layout_inputs, dense_attention, merge_heads, split_heads)
+from longdoc.export.graph import NEG_INF, GraphBuilder
+from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
+                                             declare_layout_inputs, dense_attention, merge_heads, split_heads)
 
 ENCODER_ARCHITECTURES = {
     "BigBirdForQuestionAnswering": "qa",

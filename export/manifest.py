@@ -1,6 +1,6 @@
 """manifest.json of an exported model directory (docs/DESIGN.md, "export/ model directory").
 
-A frozen dataclass, written by `longdoc export` and read by `export.runtime.OnnxModel` and
+A frozen dataclass, written by `longdoc export` and read by `longdoc.export.runtime.OnnxModel` and
 the service. No torch: the serving path imports this module.
 """
 
@@ -47,7 +47,7 @@ class Manifest:
     architecture: str
     dtype: str
     graphs: dict[str, str]
-    attention: dict[str, Any]  # model.layout.AttentionSpec as a dict (asdict)
+    attention: dict[str, Any]  # longdoc.model.layout.AttentionSpec as a dict (asdict)
     num_layers: int
     num_heads: int
     hidden_size: int

@@ -2,7 +2,7 @@
 service worker's only engine (docs/DESIGN.md, "export/runtime.py").
 
 The host side of the block-sparse graph lives here: for each padded length it builds the layout
-table with `model.layout.build_layout` (NumPy), stacks it over layers and caches it, then feeds
+table with `longdoc.model.layout.build_layout` (NumPy), stacks it over layers and caches it, then feeds
 it as graph inputs next to the token ids.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.manifest import TOKENIZER_NAME, Manifest
-from export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
+from longdoc.export.manifest import TOKENIZER_NAME, Manifest
+from longdoc.export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -84,7 +84,7 @@ class OnnxModel:
         self.float_type = np.float16 if self.manifest.dtype == "fp16" else np.float32
         self._layouts: OrderedDict[tuple[int, str], dict[str, np.ndarray]] = OrderedDict()
         self._layout_cache_size = layout_cache_size
-        from model.layout import AttentionSpec  # NumPy only
+        from longdoc.model.layout import AttentionSpec  # NumPy only
 
         self.attention_spec = AttentionSpec.from_dict(self.manifest.attention) if self.sparse else None
         _release_freed_heap()
@@ -105,7 +105,7 @@ class OnnxModel:
         key = (padded_len, attention)
         feed = self._layouts.get(key)
         if feed is None:
-            from model.layout import build_layout
+            from longdoc.model.layout import build_layout
 
             m, nb = self.manifest, padded_len // self.manifest.block_size
             if attention == "full":
@@ -197,8 +197,8 @@ class OnnxModel:
                  should_stop=None) -> list[list[int]]:
         """Unset (None) options are the model's generation defaults (manifest), else transformers'.
         should_stop: optional () -> bool, checked before each decoder step (thread-safe is the
-        caller's business); true raises export.generation.GenerationStopped."""
-        from export.generation import generate
+        caller's business); true raises longdoc.export.generation.GenerationStopped."""
+        from longdoc.export.generation import generate
 
         if self.manifest.task != "summarize":
             raise ValueError(f"generate needs a summarize model, this one is {self.manifest.task!r}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from export.graph import NEG_INF, GraphBuilder
+from longdoc.export.graph import NEG_INF, GraphBuilder
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 

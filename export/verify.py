@@ -1,6 +1,6 @@
 """`longdoc verify`: ONNX Runtime against the PyTorch reference on random inputs.
 
-Reference: our PyTorch model (`model.load_pretrained(checkpoint, plan)`), or with
+Reference: our PyTorch model (`longdoc.model.load_pretrained(checkpoint, plan)`), or with
 `against="transformers"` transformers itself (train mode with every dropout at 0 for the
 hf-train plan, which is what transformers draws in training mode; eval mode for hf-eval). The
 reference always runs in fp32.
@@ -93,7 +93,7 @@ def verify_lengths(manifest) -> list[int]:
     """min, full-attention threshold and one past it, non-multiples of block_size, max, and every
     padded length where transformers' random-block plan changes (`HF_LEGACY_LENGTHS`) with a
     length that pads to it."""
-    from model.layout import HF_LEGACY_LENGTHS
+    from longdoc.model.layout import HF_LEGACY_LENGTHS
 
     m, bs = manifest, manifest.block_size
     fam = min(m.full_attention_max_length, m.max_length)
@@ -130,7 +130,7 @@ class Reference:
         self.torch, self.manifest, self.against = torch, manifest, against
         plan = manifest.attention.get("plan", "hf-train")
         if against == "model":
-            import model
+            from longdoc import model
 
             self.module = model.load_pretrained(checkpoint_dir, plan=plan)
         elif against == "transformers":
@@ -192,9 +192,9 @@ def _load_transformers(checkpoint_dir: Path, manifest, plan: str):
 
 def _qa_spans(start: np.ndarray, end: np.ndarray, ids: np.ndarray, mask: np.ndarray, sep: int | None,
               top: int) -> list[tuple[int, int]]:
-    """The top token spans of one row, picked by the service's span search (`export.windows`)
+    """The top token spans of one row, picked by the service's span search (`longdoc.export.windows`)
     over the document part (after the first [SEP], real tokens only)."""
-    from export.windows import QAWindow, best_spans
+    from longdoc.export.windows import QAWindow, best_spans
 
     n = int(mask.sum())
     seps = np.flatnonzero(ids[:n] == sep) if sep is not None else np.zeros(0, np.int64)
@@ -218,8 +218,8 @@ def _answers(task: str, outputs: dict[str, np.ndarray], ids, mask, sep) -> list:
 def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: bool = False) -> None:
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
-    from export.exporter import CheckpointError, read_config, task_of, weights_path
-    from export.manifest import sha256_of
+    from longdoc.export.exporter import CheckpointError, read_config, task_of, weights_path
+    from longdoc.export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)
@@ -253,7 +253,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
                  progress: Callable[[str], None] = print, seed: int = 0, threads: int | None = None,
                  generation_lengths: int = 2, max_new_tokens: int = 8, agreement: Agreement = Agreement(),
                  allow_other_checkpoint: bool = False) -> VerifyReport:
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model_dir, checkpoint_dir = Path(model_dir), Path(checkpoint_dir)
     onnx_model = OnnxModel(model_dir, threads=threads)

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # modules with add_commands(subparsers), in help order; a module not written yet is skipped.
-_COMMAND_MODULES = ("service.cli", "export.cli", "export.eval_cli", "model.cli")
+_COMMAND_MODULES = ("longdoc.service.cli", "longdoc.export.cli", "longdoc.export.eval_cli", "longdoc.model.cli")
 
 
 # which extra installs a module that a command imports (the core install has neither torch nor the service)

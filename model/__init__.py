@@ -1,9 +1,9 @@
 """BigBird models in PyTorch (block-sparse attention, weight-compatible with the public
 Hugging Face checkpoints) and training code.
 
-`model.layout`, `model.lengths`, `model.search` (greedy / beam search) and `model.tokenization`
+`longdoc.model.layout`, `longdoc.model.lengths`, `longdoc.model.search` (greedy / beam search) and `longdoc.model.tokenization`
 are pure NumPy / tokenizers and importable without torch (the service uses them). Everything
-torch-backed is loaded lazily on first attribute access, so `import model.layout` never imports
+torch-backed is loaded lazily on first attribute access, so `import longdoc.model.layout` never imports
 torch.
 """
 
@@ -13,8 +13,8 @@ import importlib
 
 # public name -> module that defines it (torch-backed; imported on first use)
 _LAZY = {
-    "load_pretrained": "model.checkpoint",
-    "save_pretrained": "model.checkpoint",
+    "load_pretrained": "longdoc.model.checkpoint",
+    "save_pretrained": "longdoc.model.checkpoint",
 }
 
 

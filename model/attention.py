@@ -1,6 +1,6 @@
 """Block-sparse attention that consumes any block layout (BigBird paper App. D, Fig. 6).
 
-The layout (``model.layout.Layout``) is data: for each (head, query block) a row of key-block
+The layout (``longdoc.model.layout.Layout``) is data: for each (head, query block) a row of key-block
 indices. Attention is gather key/value blocks -> batched matmul -> masked softmax -> matmul; query
 blocks flagged in ``global_rows`` attend to the whole sequence densely. Everything is
 Gather / MatMul / Softmax / Where / Concat with the layout as tensor inputs: no Python control
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from model.layout import Layout
+from longdoc.model.layout import Layout
 
 MASK_PENALTY = -10000.0  # transformers' attn_mask_penalty for padded keys
 

@@ -10,12 +10,12 @@ What differs from the reference is *when* decisions are made. Transformers decid
 mode inside `forward` (and switches the whole model to full attention on a short input, for good),
 and draws its random blocks from NumPy's global RNG inside `forward`. Here:
 
-- `model.lengths.plan_length` decides, from the sequence length alone, how far to pad and
+- `longdoc.model.lengths.plan_length` decides, from the sequence length alone, how far to pad and
   whether to use full or block-sparse attention (transformers' rule, made explicit);
-- the attention pattern is data: `model.layout.build_layout(spec, n_blocks, num_heads, layer)`
+- the attention pattern is data: `longdoc.model.layout.build_layout(spec, n_blocks, num_heads, layer)`
   gives each layer a table of key blocks per (head, query block); the spec (`attention_spec`,
   with its plan "hf-train" / "hf-eval" / "seeded") is fixed when the model is built;
-- `model.attention.block_sparse_attention` consumes any such table.
+- `longdoc.model.attention.block_sparse_attention` consumes any such table.
 
 `encode` is the export-friendly core: padded inputs in, hidden states out, layout tables as
 ordinary tensor inputs, no Python branching on data. `forward_blocks` on every model wraps it
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import LayoutTensors, block_sparse_attention, layout_tensors
-from model.layout import AttentionSpec, build_layout, checkpoint_attention_spec
-from model.lengths import plan_length
+from longdoc.model.attention import LayoutTensors, block_sparse_attention, layout_tensors
+from longdoc.model.layout import AttentionSpec, build_layout, checkpoint_attention_spec
+from longdoc.model.lengths import plan_length
 
 # ----------------------------------------------------------------------------------------------
 # activations: every name the BigBird / BERT configs use (transformers' ACT2FN spellings)
@@ -176,7 +176,7 @@ class BigBirdConfig:
 
 
 def attention_spec_for(config: BigBirdConfig, plan: str = "hf-train") -> AttentionSpec:
-    """The layout spec a BigBird config implies (`model.layout.checkpoint_attention_spec`)."""
+    """The layout spec a BigBird config implies (`longdoc.model.layout.checkpoint_attention_spec`)."""
     return checkpoint_attention_spec(config.to_dict(), plan)
 
 
@@ -356,7 +356,7 @@ class BigBirdModel(nn.Module):
     """Embeddings + encoder (+ tanh pooler over the first token).
 
     `forward` takes any length up to `max_position_embeddings`: it pads to the length plan
-    (`model.lengths.plan_length`), runs full or block-sparse attention as planned, and strips
+    (`longdoc.model.lengths.plan_length`), runs full or block-sparse attention as planned, and strips
     the padding from the outputs.
     """
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.search import checkpoint_generation_defaults
+from longdoc.model.search import checkpoint_generation_defaults
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -38,7 +38,7 @@ BIN_NAME = "pytorch_model.bin"
 # model_type -> (module, config class, {architecture in config.json: class name}, default architecture)
 SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
     "big_bird": (
-        "model.bigbird",
+        "longdoc.model.bigbird",
         "BigBirdConfig",
         {
             "BigBirdModel": "BigBirdModel",
@@ -51,7 +51,7 @@ SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
         "BigBirdModel",
     ),
     "bigbird_pegasus": (
-        "model.pegasus",
+        "longdoc.model.pegasus",
         "BigBirdPegasusConfig",
         {"BigBirdPegasusForConditionalGeneration": "BigBirdPegasusForConditionalGeneration"},
         "BigBirdPegasusForConditionalGeneration",
@@ -158,7 +158,7 @@ def _construct(cls, config, plan: str) -> nn.Module:
     params = inspect.signature(cls).parameters
     if "plan" in params:
         return cls(config, plan=plan)
-    if "attention_spec" in params:  # model.pegasus: the spec is built by its module
+    if "attention_spec" in params:  # longdoc.model.pegasus: the spec is built by its module
         spec_for = getattr(importlib.import_module(cls.__module__), "attention_spec_from_config")
         return cls(config, attention_spec=spec_for(config, plan))
     return cls(config)

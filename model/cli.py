@@ -73,7 +73,7 @@ def add_commands(subparsers) -> None:
 
 
 def _train(args) -> int:
-    from model.train import TrainConfig, train
+    from longdoc.model.train import TrainConfig, train
 
     config = TrainConfig(
         task=args.task,
@@ -118,7 +118,7 @@ def _train(args) -> int:
 
 
 def _warmstart(args) -> int:
-    from model.warmstart import warm_start
+    from longdoc.model.warmstart import warm_start
 
     record = warm_start(
         args.source,

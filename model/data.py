@@ -126,12 +126,12 @@ class SpecialTokens:
 
 def special_tokens_from(tokenizer, config: dict, directory=None) -> SpecialTokens:
     """The special ids training uses, resolved as the serving path resolves them
-    (`model.tokenization.special_token_ids`: the tokenizer files' token texts first, then the
+    (`longdoc.model.tokenization.special_token_ids`: the tokenizer files' token texts first, then the
     config's `*_token_id`), for the tokenizer files in `directory`; what is still undefined comes
     from the model `config`, then from the vocabulary ([CLS]/<s>, [SEP]/</s>, [MASK]/<mask>, ...).
-    `model.train` writes the result into the output's special_tokens_map.json, so an exported
+    `longdoc.model.train` writes the result into the output's special_tokens_map.json, so an exported
     model resolves the same ids."""
-    from model.tokenization import special_token_ids
+    from longdoc.model.tokenization import special_token_ids
 
     ids = special_token_ids(directory, tokenizer, config=config)
     return SpecialTokens(

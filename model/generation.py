@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from model import search
-from model.search import GENERATION_FIELDS, GenerationStopped, SearchSettings, banned_ngram_tokens  # noqa: F401
+from longdoc.model import search
+from longdoc.model.search import GENERATION_FIELDS, GenerationStopped, SearchSettings, banned_ngram_tokens  # noqa: F401
 
 
 def _to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -59,7 +59,7 @@ def _torch_callables(next_logits: Callable[[torch.Tensor], torch.Tensor],
 def greedy_search(next_logits: Callable[[torch.Tensor], torch.Tensor], batch_size: int, s: SearchSettings,
                   device: torch.device | str = "cpu",
                   should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
-    """model.search.greedy_search over torch callables: next_logits(sequences (N, cur_len) long)
+    """longdoc.model.search.greedy_search over torch callables: next_logits(sequences (N, cur_len) long)
     -> (N, V) logits. Returns (B, L) long on `device`."""
     np_next_logits, _ = _torch_callables(next_logits, None, device)
     out = search.greedy_search(np_next_logits, batch_size, s, should_stop)
@@ -69,7 +69,7 @@ def greedy_search(next_logits: Callable[[torch.Tensor], torch.Tensor], batch_siz
 def beam_search(next_logits: Callable[[torch.Tensor], torch.Tensor], reorder: Callable[[torch.Tensor], None],
                 batch_size: int, s: SearchSettings, device: torch.device | str = "cpu",
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
-    """model.search.beam_search over torch callables (reorder gets a (N,) LongTensor) with torch's
+    """longdoc.model.search.beam_search over torch callables (reorder gets a (N,) LongTensor) with torch's
     log_softmax and topk. Returns (B, L) long on `device`."""
     np_next_logits, np_reorder = _torch_callables(next_logits, reorder, device)
     prims = _TorchPrimitives(device)
@@ -118,7 +118,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     (num_beams 1, length_penalty 1.0, no_repeat_ngram_size 0, early_stopping False, min_length 0,
     max_length 20 in total). max_new_tokens counts generated tokens after decoder_start.
     attention_mask defaults to `input_ids != pad` when pad occurs in the input (transformers' rule).
-    should_stop: see model.search (raises GenerationStopped between decoder steps).
+    should_stop: see longdoc.model.search (raises GenerationStopped between decoder steps).
     Returns a LongTensor (B, T) starting with decoder_start_token_id.
     """
     settings = search.resolve_settings(

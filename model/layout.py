@@ -9,8 +9,8 @@ blocks each query block attends to, per head:
                                    densely; their rows in key_blocks/valid are ignored)
 
 A key block listed twice in a row counts twice (as transformers does in eval mode, where all random
-slots point at block 0). One attention function (``model.attention.block_sparse_attention``)
-consumes any layout; ``model.attention.dense_reference_attention`` is the oracle built from the
+slots point at block 0). One attention function (``longdoc.model.attention.block_sparse_attention``)
+consumes any layout; ``longdoc.model.attention.dense_reference_attention`` is the oracle built from the
 same table.
 
 Patterns (``AttentionSpec.pattern``), all bidirectional:

@@ -16,9 +16,9 @@ Architecture (what the checkpoints hold):
   (`model.encoder.embed_tokens.weight`, `model.decoder.embed_tokens.weight`, `lm_head.weight`);
   `TIED_WEIGHTS` says which keys are aliases, so a checkpoint that stores only `model.shared.weight`
   (what transformers writes) loads, and `final_logits_bias` may be absent (`OPTIONAL_KEYS`).
-- Encoder self-attention is block-sparse (BigBird, paper App. D) via `model.attention` with a
-  layout table from `model.layout`, or full attention for short inputs; which one is decided by
-  `model.lengths.plan_length` before `forward`, never by changing the config.
+- Encoder self-attention is block-sparse (BigBird, paper App. D) via `longdoc.model.attention` with a
+  layout table from `longdoc.model.layout`, or full attention for short inputs; which one is decided by
+  `longdoc.model.lengths.plan_length` before `forward`, never by changing the config.
 - Decoder: causal full self-attention with a KV cache, full cross-attention over the encoder output.
 
 Export-friendly entry points (engineer E's graphs call these):
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # model.attention is imported when a block-sparse layout is first used
-    from model.attention import LayoutTensors
+if TYPE_CHECKING:  # longdoc.model.attention is imported when a block-sparse layout is first used
+    from longdoc.model.attention import LayoutTensors
 
 # ----------------------------------------------------------------------------------------------
 # small modules
@@ -105,7 +105,7 @@ class EncoderSelfAttention(nn.Module):
             probs = F.dropout(F.softmax(scores, dim=-1), self.attention_dropout, self.training)
             y = probs @ v  # (B, H, S, D)
         else:
-            from model.attention import block_sparse_attention
+            from longdoc.model.attention import block_sparse_attention
 
             # transformers' block-sparse path has no attention dropout
             y = block_sparse_attention(q, k, v, layout, key_mask)  # (B, H, S, D)
@@ -281,10 +281,10 @@ class BigBirdPegasusConfig:
 
 
 def attention_spec_from_config(cfg: BigBirdPegasusConfig, plan: str = "hf-train"):
-    """The encoder's AttentionSpec (`model.layout.checkpoint_attention_spec`: BigBird ITC, as the
+    """The encoder's AttentionSpec (`longdoc.model.layout.checkpoint_attention_spec`: BigBird ITC, as the
     checkpoints were trained). The spec is block-sparse even for `original_full` configs: the
     encoder's length plan decides full attention there, and the spec is then unused."""
-    from model.layout import checkpoint_attention_spec
+    from longdoc.model.layout import checkpoint_attention_spec
 
     return checkpoint_attention_spec({**cfg.to_dict(), "attention_type": "block_sparse"}, plan)
 
@@ -455,8 +455,8 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
     def layouts_for(self, padded_len: int) -> list[LayoutTensors]:
         """Per-layer layout tensors for a padded length (cached by spec and length: layouts are
         deterministic in both)."""
-        from model.attention import layout_tensors
-        from model.layout import build_layout
+        from longdoc.model.attention import layout_tensors
+        from longdoc.model.layout import build_layout
 
         cfg = self.config
         key = (self.attention_spec, padded_len // cfg.block_size)
@@ -469,9 +469,9 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> EncoderOutput:
         """input_ids, attention_mask: (B, L) -> EncoderOutput(last_hidden_state (B, L, C)).
-        Decides full vs block-sparse attention and the block padding from the length (model.lengths),
+        Decides full vs block-sparse attention and the block padding from the length (longdoc.model.lengths),
         pads with pad_token_id / mask 0, runs the encoder and cuts the padding off again."""
-        from model.lengths import plan_length
+        from longdoc.model.lengths import plan_length
 
         cfg = self.config
         B, L = input_ids.shape
@@ -536,8 +536,8 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Greedy or beam search; see model.generation.generate for the arguments. Returns a
+        """Greedy or beam search; see longdoc.model.generation.generate for the arguments. Returns a
         LongTensor (B, T) that starts with decoder_start_token_id, as transformers does."""
-        from model.generation import generate
+        from longdoc.model.generation import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)

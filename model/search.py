@@ -79,7 +79,7 @@ def checkpoint_generation_defaults(directory, config: Mapping[str, Any]) -> dict
     """The generation defaults of a checkpoint directory: its generation_config.json (transformers
     writes them there today; a key it names wins, null = unset) over its `config` (config.json,
     older checkpoints). Only GENERATION_FIELDS, unset ones left out. The exporter (into the
-    manifest) and the PyTorch reference (`model.load_pretrained`) both read them here."""
+    manifest) and the PyTorch reference (`longdoc.model.load_pretrained`) both read them here."""
     import json
     from pathlib import Path
 

@@ -2,7 +2,7 @@
 classification and summarization (teacher forcing). `longdoc train` (model/cli.py) and
 `train(TrainConfig)` are the two doors; both end here.
 
-    JSONL -> model.data features -> length-grouped batches -> collator -> model (block-sparse,
+    JSONL -> longdoc.model.data features -> length-grouped batches -> collator -> model (block-sparse,
     fixed plan) -> task loss -> AdamW (linear warm-up and decay, clipping, accumulation)
     -> OUTPUT/checkpoint-STEP/ (HF format + training_state.pt) ... -> OUTPUT/ (final model)
 
@@ -12,13 +12,13 @@ Decisions, and why:
   checkpoints were trained with. Fine-tuning them with other blocks would shift every layer's
   inputs; and a plan fixed in (layer, length) means the blocks seen in training are the blocks
   served (the export computes the same layout). Short batches (padded length <= (5 + 2r) *
-  block_size) run full attention, by the same rule as inference (`model.lengths`).
+  block_size) run full attention, by the same rule as inference (`longdoc.model.lengths`).
 - Losses are computed here from the logits, in fp32, so an all-ignored batch gives 0, not NaN,
   and the MLM head only runs on the masked positions (the (B, S, vocab) logits of a 4096-token
   batch would be most of the memory).
 - Precision: CPU trains in fp32; on CUDA "auto" means bf16 autocast where supported, else fp16
   autocast with a gradient scaler. Master weights and optimizer state stay fp32.
-- A checkpoint is an ordinary Hugging Face model dir (`model.save_pretrained`: transformers'
+- A checkpoint is an ordinary Hugging Face model dir (`longdoc.model.save_pretrained`: transformers'
   `from_pretrained` loads it) plus `training_state.pt` (optimizer, scheduler, scaler, step, data
   position, RNG states: tensors and plain values only, read back with `weights_only=True`) and
   `trainer_state.json` (the same, human-readable, with the loss history). Resuming restores all
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import data as D
+from longdoc.model import data as D
 
 STATE_FILE = "training_state.pt"
 STATE_JSON = "trainer_state.json"
@@ -67,7 +67,7 @@ OTHER_HEAD_PREFIXES = ("cls.", "qa_classifier.", "classifier.", "bert.pooler.", 
 class TrainConfig:
     task: str  # "mlm" | "qa" | "classify" | "summarize"
     model: str  # checkpoint dir (HF format) to start from, or a config.json for random init
-    train: str  # JSONL (see model.data)
+    train: str  # JSONL (see longdoc.model.data)
     output: str  # directory: checkpoint-STEP/ subdirs and, at the end, the final model
     eval: str | None = None
     tokenizer: str | None = None  # dir with tokenizer.json, or the file; default: the model's dir
@@ -94,10 +94,10 @@ class TrainConfig:
     plan: str = "hf-train"
     resume: str | bool = False  # True: latest OUTPUT/checkpoint-*; a path: that checkpoint
     mlm_probability: float = 0.15
-    qa_long_context: str = "window"  # "window" | "truncate" (see model.data.qa_features)
+    qa_long_context: str = "window"  # "window" | "truncate" (see longdoc.model.data.qa_features)
     doc_stride: int = 256
     max_question_length: int = 64
-    qa_negative_windows: float = 1.0  # share of answer-less windows kept (see model.data.qa_features)
+    qa_negative_windows: float = 1.0  # share of answer-less windows kept (see longdoc.model.data.qa_features)
     labels: list[str] | None = None  # classify: label names (default: the model's, else the data's)
     dropout: float | None = None  # override the config's dropout probabilities
     quiet: bool = False
@@ -145,13 +145,13 @@ def build_model(task: str, config: dict, plan: str, labels: list[str] | None = N
     """A randomly initialised task model for a config dict."""
     config = dict(config)
     if task == "summarize":
-        from model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration, attention_spec_from_config
+        from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration, attention_spec_from_config
 
         if dropout is not None:
             config.update(dropout=dropout, attention_dropout=dropout, activation_dropout=dropout)
         cfg = BigBirdPegasusConfig.from_dict(config)
         return BigBirdPegasusForConditionalGeneration(cfg, attention_spec=attention_spec_from_config(cfg, plan))
-    from model import bigbird
+    from longdoc.model import bigbird
 
     if labels is not None:
         config["id2label"] = {i: name for i, name in enumerate(labels)}
@@ -172,7 +172,7 @@ def load_weights(module: nn.Module, task: str, directory: Path, log=print) -> No
     complete; the task head may be missing (then it keeps its fresh init: warm start or a new
     task), and other tasks' heads in the file are dropped. Both are logged; anything else that
     does not fit (missing encoder keys, unknown keys, shapes) is a LoadError listing the keys."""
-    from model.checkpoint import IGNORED_ALWAYS, load_state_dict_strict, read_state_dict
+    from longdoc.model.checkpoint import IGNORED_ALWAYS, load_state_dict_strict, read_state_dict
 
     state = read_state_dict(directory)
     # a bare BigBirdModel checkpoint (transformers writes it without the "bert." prefix)
@@ -207,7 +207,7 @@ def load_tokenizer(model: str, tokenizer: str | None):
 
 
 def _copy_tokenizer_files(tokenizer_path: Path, directory: Path) -> None:
-    from model.warmstart import TOKENIZER_FILES
+    from longdoc.model.warmstart import TOKENIZER_FILES
 
     for name in TOKENIZER_FILES:
         source = tokenizer_path.parent / name
@@ -464,13 +464,13 @@ class Trainer:
         self.log(f"resumed from {directory} at step {self.step} (epoch {self.epoch}, batch {self.batch_index})")
 
     def _save_model(self, directory: Path) -> None:
-        from model.checkpoint import save_pretrained
+        from longdoc.model.checkpoint import save_pretrained
 
         directory.mkdir(parents=True, exist_ok=True)
         save_pretrained(self.model, directory)
         _copy_tokenizer_files(self.tokenizer_path, directory)
         if not (directory / "special_tokens_map.json").is_file():
-            # the ids training used, by text, for model.tokenization (export, service) to find
+            # the ids training used, by text, for longdoc.model.tokenization (export, service) to find
             tokens = D.special_tokens_map(self.tokenizer, self.special)
             (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
@@ -616,7 +616,7 @@ class Trainer:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Train as `cfg` says; returns the final step, losses and history. The final model is in
-    `cfg.output` (loadable with `model.load_pretrained` and transformers' `from_pretrained`)."""
+    `cfg.output` (loadable with `longdoc.model.load_pretrained` and transformers' `from_pretrained`)."""
     return Trainer(cfg).run()
 
 

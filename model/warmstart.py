@@ -116,7 +116,7 @@ def warm_start(
     if max_length % block_size:
         raise WarmStartError(f"max_length {max_length} must be a multiple of block_size {block_size}")
 
-    from model.checkpoint import read_state_dict
+    from longdoc.model.checkpoint import read_state_dict
 
     state = read_state_dict(source)
     names = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")

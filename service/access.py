@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.errors import RateLimited, ServiceError, Unauthorized
+from longdoc.service.errors import RateLimited, ServiceError, Unauthorized
 
 
 def read_key_file(path: Path) -> list[str]:

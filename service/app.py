@@ -24,24 +24,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from export import windows as W
+from longdoc.export import windows as W
 from longdoc import __version__
-from model.search import resolve_settings
-from service.access import AccessControl, AccessMiddleware
-from service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
-from service.batching import BatchingPolicy
-from service.errors import (
+from longdoc.model.search import resolve_settings
+from longdoc.service.access import AccessControl, AccessMiddleware
+from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
+from longdoc.service.batching import BatchingPolicy
+from longdoc.service.errors import (
     DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
     Unavailable, UnsupportedMediaType,
 )
-from service.metrics import Metrics, length_buckets, length_label
-from service.settings import Settings, choose_default_models
-from service.validation import (
+from longdoc.service.metrics import Metrics, length_buckets, length_label
+from longdoc.service.settings import Settings, choose_default_models
+from longdoc.service.validation import (
     ClassifyJob, ClassifyRequest, ClassifyResponse, ErrorResponse, Limits, ModelsResponse, QAJob, QARequest,
     QAResponse, SSE_EVENT_SCHEMA, SummarizeJob, SummarizeRequest, SummarizeResponse, scan_json_tokens,
     validate_classify, validate_qa, validate_summarize,
 )
-from service.workers import ModelInfo, Worker, onnx_worker_factory
+from longdoc.service.workers import ModelInfo, Worker, onnx_worker_factory
 
 log = logging.getLogger("longdoc.service")
 TASKS = ("qa", "summarize", "classify")

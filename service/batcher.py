@@ -32,12 +32,12 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
-from export.manifest import PER_TOKEN_OUTPUTS
-from model.search import SearchSettings, greedy_tokens, is_finished
-from service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
-from service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
-from service.metrics import Metrics
-from service.workers import EncoderBatch, GenerationStopped, Worker
+from longdoc.export.manifest import PER_TOKEN_OUTPUTS
+from longdoc.model.search import SearchSettings, greedy_tokens, is_finished
+from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
+from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
+from longdoc.service.metrics import Metrics
+from longdoc.service.workers import EncoderBatch, GenerationStopped, Worker
 
 log = logging.getLogger("longdoc.service")
 

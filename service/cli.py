@@ -1,6 +1,6 @@
 """`longdoc serve`: run the HTTP service under uvicorn. Imports nothing heavy at module level.
 
-Its flags are derived from `service.settings.Settings`: one flag per field (`max_batch_tokens` ->
+Its flags are derived from `longdoc.service.settings.Settings`: one flag per field (`max_batch_tokens` ->
 `--max-batch-tokens`), the field's description as help, its default and its `LONGDOC_*` variable
 shown, so a new setting is reachable by flag and by variable without touching this file."""
 
@@ -21,7 +21,7 @@ def add_commands(subparsers) -> None:
                     "Every flag is also a LONGDOC_* environment variable; flags win. See docs/service.md.",
     )
     try:
-        from service.settings import Settings
+        from longdoc.service.settings import Settings
     except ModuleNotFoundError as exc:  # pydantic-settings & co. come with the serve extra
         p.set_defaults(func=lambda args: _raise(exc))  # longdoc.cli names the extra to install
         return
@@ -94,7 +94,7 @@ def build_settings(args: argparse.Namespace):
     value whole); with no models at all, every exported model under models/."""
     from pydantic import ValidationError
 
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
 
     overrides = {}
     for name, field in Settings.model_fields.items():
@@ -115,7 +115,7 @@ def build_settings(args: argparse.Namespace):
 
 def settings_error(exc) -> str:
     """A pydantic ValidationError of Settings as one line naming the flag and the variable."""
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
 
     parts = []
     for e in exc.errors():
@@ -145,8 +145,8 @@ def default_model_dirs() -> dict[str, Path]:
 def check_models(settings) -> None:
     """Every model directory is an export (a readable manifest.json) and every --default-model names
     a served model of its task: one clear line before start-up, not a traceback from the lifespan."""
-    from export.manifest import Manifest, ManifestError
-    from service.settings import choose_default_models
+    from longdoc.export.manifest import Manifest, ManifestError
+    from longdoc.service.settings import choose_default_models
 
     tasks = {}
     for name, directory in settings.models.items():
@@ -163,8 +163,8 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from service.app import create_app
-    from service.connections import limited_protocol
+    from longdoc.service.app import create_app
+    from longdoc.service.connections import limited_protocol
 
     settings = build_settings(args)
     check_models(settings)

@@ -9,7 +9,7 @@
   which slow-header connections never reach, and answers in plain text.)
 
 Refusals use the service's error shape. The body read timeout and the cap on body bytes in flight
-are ASGI-level (service.app.BodyLimitMiddleware).
+are ASGI-level (longdoc.service.app.BodyLimitMiddleware).
 """
 
 from __future__ import annotations

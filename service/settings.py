@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0, description="deadline of a request without X-Request-Timeout")
     max_request_timeout_s: float = Field(600.0, gt=0, description="the largest X-Request-Timeout accepted")
 
-    # slow or huge uploads (service/connections.py, service.app.BodyLimitMiddleware)
+    # slow or huge uploads (service/connections.py, longdoc.service.app.BodyLimitMiddleware)
     header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
     body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
     max_connections: int = Field(512, ge=1, description="open connections; over it a new one gets 503")
@@ -129,7 +129,7 @@ class Settings(BaseSettings):
 
     def all_api_keys(self) -> list[str]:
         """`api_keys` and the lines of `api_key_file` (read now: a rotated Secret needs a restart)."""
-        from service.access import read_key_file
+        from longdoc.service.access import read_key_file
 
         keys = [k.get_secret_value() for k in self.api_keys]
         if self.api_key_file is not None:

@@ -13,7 +13,7 @@ from typing import Annotated, get_args
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from service.errors import InvalidRequest, TooLarge
+from longdoc.service.errors import InvalidRequest, TooLarge
 
 # Unicode category Cc (C0 and C1 controls) but tab, newline and carriage return: one regex
 # search in C instead of a Python loop over every character of a 2 MB document (0.17 s)

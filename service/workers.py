@@ -7,7 +7,7 @@ sequence with its own `SearchSettings`. `generate(input_ids, settings, should_st
 whole search (beam search) and calls `should_stop()` (from the worker thread) before every
 decoder step, raising `GenerationStopped` when it returns true.
 
-- `OnnxWorker`: `export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
+- `OnnxWorker`: `longdoc.export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
   (intra-op threads configurable), or on CUDA (`CudaWorker`).
 - `FakeWorker`: a deterministic stand-in with a tiny in-code tokenizer, for API tests.
 """
@@ -23,9 +23,9 @@ from typing import Any, Callable, Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-from export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
-from model.search import SearchSettings, beam_search, greedy_search
-from service.settings import parse_device
+from longdoc.export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
+from longdoc.model.search import SearchSettings, beam_search, greedy_search
+from longdoc.service.settings import parse_device
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
 
@@ -46,8 +46,8 @@ class ModelInfo:
     dtype: str = "fp32"
     max_new_tokens: int = 256  # summarize: decoder positions available
     directory: str = ""
-    # summarize: generation defaults under transformers' names (export.generation.search_defaults),
-    # what a request's settings are resolved against (model.search.resolve_settings)
+    # summarize: generation defaults under transformers' names (longdoc.export.generation.search_defaults),
+    # what a request's settings are resolved against (longdoc.model.search.resolve_settings)
     generation: dict[str, Any] = field(default_factory=dict)
 
 
@@ -127,7 +127,7 @@ class OnnxWorker:
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", threads: int | None = None,
                  max_batch_tokens: int = 16384):
-        from export.runtime import OnnxModel  # torch-free
+        from longdoc.export.runtime import OnnxModel  # torch-free
 
         self.device = device
         kind, device_id = parse_device(device)
@@ -173,7 +173,7 @@ class OnnxWorker:
         ]
 
     def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
-        from export.runtime import EncoderState
+        from longdoc.export.runtime import EncoderState
 
         n_kv = len(states[0].past)
         cross = [_stack_padded([s.cross[k] for s in states], axis=2) for k in range(n_kv)]  # (B, H, Se, D)
@@ -194,7 +194,7 @@ class OnnxWorker:
 
     def generate(self, input_ids: list[int], settings: SearchSettings,
                  should_stop: Callable[[], bool] | None = None) -> list[int]:
-        from export.generation import generate
+        from longdoc.export.generation import generate
 
         ids = np.asarray([input_ids], dtype=np.int64)
         out = generate(self.model, ids, np.ones_like(ids), should_stop, settings=settings)
@@ -214,7 +214,7 @@ class IoBindingEncoder:
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0, cache_size: int = 16):
         import onnxruntime as ort
 
-        from export.layout_feed import LAYOUT_INPUTS  # NumPy only: serve-only installs have no onnx
+        from longdoc.export.layout_feed import LAYOUT_INPUTS  # NumPy only: serve-only installs have no onnx
 
         self.ort = ort
         self.model = model

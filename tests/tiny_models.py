@@ -98,7 +98,7 @@ def tiny_config(task: str) -> dict:
 def make_tiny_checkpoint(directory, task: str, seed: int = 0, source: str = "model", generation: dict | None = None,
                          **overrides) -> Path:
     """A random-init checkpoint for `task` saved in the Hugging Face format. source="model":
-    built with our model/ and written by `model.save_pretrained`; source="transformers": built
+    built with our model/ and written by `longdoc.model.save_pretrained`; source="transformers": built
     and saved by transformers (a "converted" checkpoint). `overrides` change config fields;
     `generation` adds generation settings to generation_config.json, where transformers keeps
     them (it drops them from config.json)."""
@@ -144,8 +144,8 @@ def _write_generation_config(directory: Path, generation: dict | None) -> Path:
 def _make_with_model(directory: Path, task: str, seed: int, kwargs: dict) -> Path:
     import torch
 
-    import model
-    from model import bigbird, pegasus
+    from longdoc import model
+    from longdoc.model import bigbird, pegasus
 
     torch.manual_seed(seed)
     if task == "summarize":
@@ -164,7 +164,7 @@ def _make_with_model(directory: Path, task: str, seed: int, kwargs: dict) -> Pat
 
 def make_tiny_export(directory, task: str, dtype: str = "fp32", checkpoint_dir=None, plan: str = "hf-train") -> Path:
     """`longdoc export` of a tiny checkpoint (made next to it unless given)."""
-    from export.exporter import export_model
+    from longdoc.export.exporter import export_model
 
     directory = Path(directory)
     if checkpoint_dir is None:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export import evaluate as E
+from longdoc.export import evaluate as E
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -14,7 +14,7 @@ PERSONALITY_FLAGS = "DESCRIPTION\n" + "       ADDR_COMPAT_LAYOUT (since Linux 2.
 
 
 def test_default_qa_model_is_long_sparse_small_and_answers():
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(MODELS / "qa", threads=1)
     m = model.manifest
@@ -41,7 +41,7 @@ def test_default_qa_model_is_long_sparse_small_and_answers():
 def test_default_classifier_is_long_sparse_small_and_tells_sections_2_and_3_apart():
     import json
 
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(MODELS / "classify", threads=1)
     m = model.manifest

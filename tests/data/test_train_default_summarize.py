@@ -43,7 +43,7 @@ def test_shrink_keeps_corpus_tokenization_and_special_ids(shrunk):
 
 
 def test_shrunk_model_gives_the_kept_logits(shrunk):
-    import model
+    from longdoc import model
 
     src, dst, kept = shrunk
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "summarize"
 
 
 def test_shipped_summarizer_is_long_sparse_small_and_writes_text():
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(MODEL, threads=1)
     m = model.manifest

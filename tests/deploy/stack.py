@@ -72,13 +72,13 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 
 @contextmanager
 def service(models: dict[str, Path], log: Path, **settings):
-    """`uvicorn --factory service.app:create_app` with LONGDOC_* settings; yields its base URL."""
+    """`uvicorn --factory longdoc.service.app:create_app` with LONGDOC_* settings; yields its base URL."""
     port = free_port()
     env = dict(os.environ, LONGDOC_MODELS=json.dumps({k: str(v) for k, v in models.items()}), LONGDOC_THREADS="1",
                **{f"LONGDOC_{k.upper()}": str(v) for k, v in settings.items()})
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "--factory", "longdoc.service.app:create_app", "--host", "127.0.0.1",
              "--port", str(port), "--log-level", "warning"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )

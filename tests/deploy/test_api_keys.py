@@ -9,7 +9,7 @@ import subprocess
 import kubernetes_validate
 import yaml
 
-from service.access import read_key_file
+from longdoc.service.access import read_key_file
 from tests.deploy.conftest import ROOT, find, require_tool
 
 COMPONENT = ROOT / "deploy" / "components" / "api-keys"

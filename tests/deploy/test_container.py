@@ -63,7 +63,7 @@ def post_json(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
 
 
 def test_image_is_torch_free_and_non_root(image):
-    probe = ("import importlib.util as u, os, service.app, onnxruntime, tokenizers; "
+    probe = ("import importlib.util as u, os, longdoc.service.app, onnxruntime, tokenizers; "
              "print(os.getuid(), u.find_spec('torch') is None, u.find_spec('transformers') is None)")
     out = podman("run", "--rm", "--network", "host", "--entrypoint", "python3", image, "-c", probe, timeout=120)
     assert out.stdout.split() == ["10001", "True", "True"], out.stdout + out.stderr
@@ -86,8 +86,8 @@ def readable_model(tiny_qa_dir, tmp_path):
 def in_process_answer(model_dir) -> dict:
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
-    from service.settings import Settings
+    from longdoc.service.app import create_app
+    from longdoc.service.settings import Settings
 
     with TestClient(create_app(Settings(models={"qa": model_dir}, threads=1))) as client:
         r = client.post("/v1/qa", json={"question": QUESTION, "document": DOCUMENT})

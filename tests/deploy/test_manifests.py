@@ -70,8 +70,8 @@ def test_validator_catches_a_broken_manifest(rendered):
 
 
 def app_get_routes() -> set[str]:
-    from service.app import create_app
-    from service.settings import Settings
+    from longdoc.service.app import create_app
+    from longdoc.service.settings import Settings
 
     app = create_app(Settings())
     return {r.path for r in app.routes if "GET" in (getattr(r, "methods", None) or ())}
@@ -87,7 +87,7 @@ def test_probes_and_scrape_point_at_routes_the_app_has(rendered, overlay):
     assert probes["startupProbe"]["path"] == probes["readinessProbe"]["path"] == "/readyz"
     assert probes["livenessProbe"]["path"] == "/livez"
     for name, probe in probes.items():
-        assert probe["path"] in routes, f"{name} probes {probe['path']}, not a GET route of service.app"
+        assert probe["path"] in routes, f"{name} probes {probe['path']}, not a GET route of longdoc.service.app"
         assert probe["port"] in ports
     assert int(config_env(docs)["LONGDOC_PORT"]) == ports["http"]
     monitor = find(docs, "ServiceMonitor")
@@ -100,13 +100,13 @@ def test_probes_and_scrape_point_at_routes_the_app_has(rendered, overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_setting_is_a_real_service_setting(rendered, overlay, monkeypatch):
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
 
     env = config_env(rendered[overlay])
     fields = set(Settings.model_fields)
     for name, value in env.items():
         assert name.startswith("LONGDOC_"), name
-        assert name[len("LONGDOC_"):].lower() in fields, f"{name} is not a field of service.settings.Settings"
+        assert name[len("LONGDOC_"):].lower() in fields, f"{name} is not a field of longdoc.service.settings.Settings"
         monkeypatch.setenv(name, value)
     settings = Settings()  # parses every value as the service will
     assert settings.port == 8000 and settings.host == "0.0.0.0"
@@ -116,7 +116,7 @@ def test_every_setting_is_a_real_service_setting(rendered, overlay, monkeypatch)
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_drain_fits_in_the_termination_grace_period(rendered, overlay):
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
 
     docs = rendered[overlay]
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
@@ -163,7 +163,7 @@ def test_gpu_overlay_asks_for_a_gpu_and_cpu_does_not(rendered):
     assert json.loads(config_env(rendered["cpu"])["LONGDOC_DEVICES"]) == ["cpu"]
     assert gpu["image"].endswith(":gpu") and cpu["image"].endswith(":cpu")
     # a CPU pod batches by the measured CPU default (docs/service.md), not a GPU-sized budget
-    from service.settings import CPU_MAX_BATCH_TOKENS, Settings
+    from longdoc.service.settings import CPU_MAX_BATCH_TOKENS, Settings
 
     cpu_budget = config_env(rendered["cpu"]).get("LONGDOC_MAX_BATCH_TOKENS")
     assert Settings(max_batch_tokens=cpu_budget).batch_tokens_for("cpu") == CPU_MAX_BATCH_TOKENS

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from export import evaluate as E
+from longdoc.export import evaluate as E
 
 
 def test_squad_normalisation_and_scores():

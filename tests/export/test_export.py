@@ -11,10 +11,10 @@ import onnx
 import pytest
 from onnx import helper
 
-from export.census import check_graph
-from export.exporter import CheckpointError, export_model
-from export.runtime import OnnxModel
-from export.verify import Agreement, verify_lengths, verify_model
+from longdoc.export.census import check_graph
+from longdoc.export.exporter import CheckpointError, export_model
+from longdoc.export.runtime import OnnxModel
+from longdoc.export.verify import Agreement, verify_lengths, verify_model
 from tests.tiny_models import SEP, make_tiny_checkpoint
 
 
@@ -226,7 +226,7 @@ def test_verify_lengths_cover_the_edges(qa_model):
 
 def test_runtime_imports_no_torch_and_no_onnx(tiny_qa_dir):
     """Serving machines have onnxruntime but neither torch nor the onnx package."""
-    code = ("import sys, numpy as np; from export.runtime import OnnxModel; "
+    code = ("import sys, numpy as np; from longdoc.export.runtime import OnnxModel; "
             f"m = OnnxModel({str(tiny_qa_dir)!r}, threads=1); m.run_encoder(np.ones((1, 200), np.int64)); "
             "assert not {'torch', 'transformers', 'onnx'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -234,7 +234,7 @@ def test_runtime_imports_no_torch_and_no_onnx(tiny_qa_dir):
 
 def test_loading_returns_freed_heap_to_the_os(tiny_qa_dir, monkeypatch):
     """OnnxModel trims the heap once its sessions exist (docs/export.md, memory)."""
-    import export.runtime as runtime
+    import longdoc.export.runtime as runtime
 
     real, calls = runtime._release_freed_heap, []
     monkeypatch.setattr(runtime, "_release_freed_heap", lambda: calls.append(1))
@@ -243,12 +243,12 @@ def test_loading_returns_freed_heap_to_the_os(tiny_qa_dir, monkeypatch):
     real()  # runs anywhere (a no-op off glibc Linux)
 
 
-# --- one table of special tokens (model.tokenization.special_token_ids) ------------------------
+# --- one table of special tokens (longdoc.model.tokenization.special_token_ids) ------------------------
 
 def test_manifest_special_tokens_are_complete(tiny_qa_dir, tiny_summarize_dir):
     """BERT-style configs name no [CLS]: the exporter asks the tokenizer, so the manifest is the
     whole truth and the service, eval and verify read it as is (no patch-ups downstream)."""
-    from export.manifest import Manifest
+    from longdoc.export.manifest import Manifest
     from tests.tiny_models import CLS, EOS, MASK, PAD
 
     qa = Manifest.load(tiny_qa_dir).special_tokens

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from export.exporter import generation_defaults
-from export.runtime import OnnxModel
+from longdoc.export.exporter import generation_defaults
+from longdoc.export.runtime import OnnxModel
 from tests.tiny_models import EOS, TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
 
 
@@ -72,7 +72,7 @@ def test_exported_generation_defaults_generate_what_transformers_generates(check
 
 def test_pytorch_reference_reads_generation_config_json(checkpoint_and_model):
     """`verify --against model` compares with a PyTorch model that has the same defaults."""
-    import model
+    from longdoc import model
 
     checkpoint, onnx_model = checkpoint_and_model
     reference = model.load_pretrained(checkpoint, plan="hf-eval")

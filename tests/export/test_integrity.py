@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from export.manifest import TOKENIZER_NAME, Manifest, ManifestError, sha256_of
-from export.runtime import OnnxModel
+from longdoc.export.manifest import TOKENIZER_NAME, Manifest, ManifestError, sha256_of
+from longdoc.export.runtime import OnnxModel
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models"
 
@@ -55,8 +55,8 @@ def test_a_corrupted_graph_fails_at_load_naming_the_file(tmp_path):
 
 
 def test_a_corrupted_model_stops_service_start_up(tmp_path, tiny_classify_dir):
-    from service.app import create_app
-    from service.settings import Settings
+    from longdoc.service.app import create_app
+    from longdoc.service.settings import Settings
 
     d = copy_model(tiny_classify_dir, tmp_path)
     (d / TOKENIZER_NAME).write_text((d / TOKENIZER_NAME).read_text().replace('"[UNK]"', '"[UNQ]"', 1))
@@ -117,10 +117,10 @@ def test_external_weights_are_checksummed_too(tmp_path, tiny_checkpoint_dir, mon
     """A graph over 2 GiB keeps its weights in NAME.onnx.data: that file is recorded and checked."""
     import onnx
 
-    import export.exporter
+    import longdoc.export.exporter
     from tests.tiny_models import make_tiny_export
 
-    def save_external(model, path):  # what export.graph.save_model does over 1.8 GB, at any size
+    def save_external(model, path):  # what longdoc.export.graph.save_model does over 1.8 GB, at any size
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=Path(path).name + ".data", size_threshold=1024)
 

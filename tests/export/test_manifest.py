@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from export.manifest import Manifest, ManifestError
+from longdoc.export.manifest import Manifest, ManifestError
 
 BASE = dict(task="qa", architecture="BigBirdForQuestionAnswering", dtype="fp32", graphs={"encoder": "encoder.onnx"},
             attention={"pattern": "bigbird", "block_size": 16}, num_layers=2, num_heads=2, hidden_size=32,

@@ -8,10 +8,10 @@ can hold (and at lengths that pad to them), batch 1 and 3."""
 
 import pytest
 
-from export.exporter import export_model
-from export.manifest import Manifest
-from export.verify import verify_lengths, verify_model
-from model.layout import HF_LEGACY_LENGTHS, AttentionSpec
+from longdoc.export.exporter import export_model
+from longdoc.export.manifest import Manifest
+from longdoc.export.verify import verify_lengths, verify_model
+from longdoc.model.layout import HF_LEGACY_LENGTHS, AttentionSpec
 from tests.tiny_models import make_tiny_checkpoint
 
 POSITIONS = (512, 1024, 2048, 4096, 8192)

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
 
-from export.graph import GraphBuilder
-from export.layout_feed import _feed as layout_inputs
-from export.layout_feed import dense_layout_feed
-from export.sparse_attention import attention_context, block_sparse_attention, declare_layout_inputs
+from longdoc.export.graph import GraphBuilder
+from longdoc.export.layout_feed import _feed as layout_inputs
+from longdoc.export.layout_feed import dense_layout_feed
+from longdoc.export.sparse_attention import attention_context, block_sparse_attention, declare_layout_inputs
 
 H, D, BS = 2, 4, 4
 

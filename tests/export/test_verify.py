@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from export.exporter import export_model
-from export.verify import Agreement, VerifyError, verify_model
+from longdoc.export.exporter import export_model
+from longdoc.export.verify import Agreement, VerifyError, verify_model
 from tests.tiny_models import make_tiny_checkpoint
 
 

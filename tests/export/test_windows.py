@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from export.windows import best_spans, classify_windows, pool_logits, qa_windows, window_spans
-from service.workers import fake_tokenizer
+from longdoc.export.windows import best_spans, classify_windows, pool_logits, qa_windows, window_spans
+from longdoc.service.workers import fake_tokenizer
 
 
 def test_window_spans_examples():

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.attention import MASK_PENALTY, LayoutTensors, block_sparse_attention, dense_reference_attention, layout_tensors
-from model.layout import PATTERNS, AttentionSpec, build_layout
+from longdoc.model.attention import MASK_PENALTY, LayoutTensors, block_sparse_attention, dense_reference_attention, layout_tensors
+from longdoc.model.layout import PATTERNS, AttentionSpec, build_layout
 
 torch.set_num_threads(1)
 

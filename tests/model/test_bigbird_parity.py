@@ -1,4 +1,4 @@
-"""Parity of model.bigbird with transformers' BigBird on tiny random-init checkpoints.
+"""Parity of longdoc.model.bigbird with transformers' BigBird on tiny random-init checkpoints.
 
 transformers in eval mode is compared with plan "hf-eval", transformers in train mode (every
 dropout 0) with plan "hf-train". fp32 max abs difference <= 1e-5 on every non-padded position.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.checkpoint import load_pretrained
-from model.lengths import full_attention_max_length
+from longdoc.model.checkpoint import load_pretrained
+from longdoc.model.lengths import full_attention_max_length
 from tests.model.conftest import SEP, random_batch
 
 TOL = 1e-5

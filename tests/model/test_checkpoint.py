@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import LoadError, load_pretrained, save_pretrained
+from longdoc.model.checkpoint import LoadError, load_pretrained, save_pretrained
 from tests.model.conftest import SEP, random_batch
 
 
@@ -197,7 +197,7 @@ def test_corrupt_safetensors_and_config(hf_checkpoint, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer files (model.tokenization: no torch)
+# tokenizer files (longdoc.model.tokenization: no torch)
 
 
 def _write_tokenizer(d):
@@ -210,7 +210,7 @@ def _write_tokenizer(d):
 
 
 def test_tokenizer_and_special_token_ids(tmp_path):
-    from model.tokenization import load_tokenizer, special_token_ids
+    from longdoc.model.tokenization import load_tokenizer, special_token_ids
 
     _write_tokenizer(tmp_path)
     (tmp_path / "special_tokens_map.json").write_text(
@@ -228,7 +228,7 @@ def test_tokenizer_and_special_token_ids(tmp_path):
 
 
 def test_tokenizer_missing_is_a_clear_error(tmp_path):
-    from model.tokenization import TokenizerError, load_tokenizer, special_token_ids
+    from longdoc.model.tokenization import TokenizerError, load_tokenizer, special_token_ids
 
     with pytest.raises(TokenizerError, match="has no tokenizer.json"):
         load_tokenizer(tmp_path)
@@ -240,12 +240,12 @@ def test_tokenization_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, model.tokenization; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys, longdoc.model.tokenization; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_bigbird_pegasus_dispatch_and_round_trip(tmp_path):
-    """model_type bigbird_pegasus goes to model.pegasus; what we save, transformers loads."""
+    """model_type bigbird_pegasus goes to longdoc.model.pegasus; what we save, transformers loads."""
     import transformers
 
     torch.manual_seed(0)

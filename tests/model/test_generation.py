@@ -1,4 +1,4 @@
-"""model.generation: greedy and beam search give the same token ids as transformers' generate()."""
+"""longdoc.model.generation: greedy and beam search give the same token ids as transformers' generate()."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from model.checkpoint import load_pretrained  # noqa: E402
-from model.generation import SearchSettings, banned_ngram_tokens, beam_search  # noqa: E402
+from longdoc.model.checkpoint import load_pretrained  # noqa: E402
+from longdoc.model.generation import SearchSettings, banned_ngram_tokens, beam_search  # noqa: E402
 
 VOCAB, EOS, PAD, START = 60, 1, 0, 2
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.layout import PATTERNS, AttentionSpec, build_layout, hf_random_blocks
+from longdoc.model.layout import PATTERNS, AttentionSpec, build_layout, hf_random_blocks
 
 
 def _spec(pattern, plan, block_size=16, **kw):
@@ -161,7 +161,7 @@ def test_seeded_plan_depends_on_seed_layer_head_length():
 
 def test_layout_module_imports_no_torch():
     code = (
-        "import sys, model.layout, model.lengths; "
+        "import sys, longdoc.model.layout, longdoc.model.lengths; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

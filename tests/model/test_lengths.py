@@ -2,7 +2,7 @@
 
 import pytest
 
-from model.lengths import LengthPlan, full_attention_max_length, plan_length
+from longdoc.model.lengths import LengthPlan, full_attention_max_length, plan_length
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64])

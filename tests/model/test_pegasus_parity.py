@@ -1,5 +1,5 @@
-"""model.pegasus against transformers' BigBirdPegasusForConditionalGeneration on tiny random models:
-same weights (saved by transformers, loaded by model.checkpoint), same outputs to 1e-5."""
+"""longdoc.model.pegasus against transformers' BigBirdPegasusForConditionalGeneration on tiny random models:
+same weights (saved by transformers, loaded by longdoc.model.checkpoint), same outputs to 1e-5."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration  # noqa: E402
+from longdoc.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 60

@@ -1,4 +1,4 @@
-"""model.search, the one NumPy greedy / beam search: torch-free, `should_stop`, settings
+"""longdoc.model.search, the one NumPy greedy / beam search: torch-free, `should_stop`, settings
 resolution, and the two drivers' primitives (NumPy's vs torch's log_softmax / topk) agreeing
 on well-separated scores. Parity with transformers is tests/model/test_generation.py."""
 
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from model.search import GenerationStopped, SearchSettings, beam_search, greedy_search, resolve_settings
+from longdoc.model.search import GenerationStopped, SearchSettings, beam_search, greedy_search, resolve_settings
 
 EOS, PAD, START, V = 1, 0, 2, 23
 
@@ -37,7 +37,7 @@ def settings(**kw) -> SearchSettings:
 
 
 def test_search_imports_without_torch():
-    code = ("import sys, model.search, export.generation; "
+    code = ("import sys, longdoc.model.search, longdoc.export.generation; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -92,7 +92,7 @@ def test_numpy_and_torch_primitives_agree_on_separated_scores():
     only in the last bit and in tie order, so on these random tables (no near-ties) the tokens
     are the same, and the searches did run to different lengths."""
     torch = pytest.importorskip("torch")
-    from model import generation
+    from longdoc.model import generation
 
     widths = set()
     for seed in range(4):
@@ -111,7 +111,7 @@ def test_one_row_at_a_time_with_its_own_settings_equals_greedy_search():
     """The service's decoding batch steps each sequence alone, with its own length and settings
     (greedy_tokens on a (1, cur_len) row, is_finished), rows joining at different steps: the
     same tokens as greedy_search for each."""
-    from model.search import greedy_tokens, is_finished
+    from longdoc.model.search import greedy_tokens, is_finished
 
     next_logits = table_decoder(5)
     variants = [settings(), settings(min_length=6), settings(forced_eos_token_ids=(EOS,), max_length=7),

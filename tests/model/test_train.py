@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import data as D
-from model.train import TrainConfig, train
+from longdoc.model import data as D
+from longdoc.model.train import TrainConfig, train
 
 torch.set_num_threads(1)
 
@@ -153,9 +153,9 @@ def test_classify_through_the_cli_and_summarize_smoke(work, summarize_run, capsy
 
 def test_training_runs_block_sparse(work):
     """The synthetic batches are long enough for block-sparse attention (not the full fallback)."""
-    from model.lengths import plan_length
+    from longdoc.model.lengths import plan_length
 
-    tok, _ = __import__("model.train", fromlist=["load_tokenizer"]).load_tokenizer(str(work / "bigbird"), None)
+    tok, _ = __import__("longdoc.model.train", fromlist=["load_tokenizer"]).load_tokenizer(str(work / "bigbird"), None)
     special = D.special_tokens_from(tok, BIGBIRD, work / "bigbird")
     features = D.qa_features(D.read_jsonl(work / "qa.jsonl", "qa"), tok, special, 128)
     shortest = min(len(f["input_ids"]) for f in features)
@@ -168,7 +168,7 @@ def test_training_runs_block_sparse(work):
 def _compare_with_transformers(directory: Path, ours_cls_name: str, inputs: dict, fields: tuple[str, ...]):
     import transformers
 
-    from model import load_pretrained
+    from longdoc.model import load_pretrained
 
     ours = load_pretrained(directory, plan="hf-eval")  # transformers in eval mode
     theirs = getattr(transformers, ours_cls_name).from_pretrained(directory).eval()
@@ -193,8 +193,8 @@ def test_saved_checkpoints_load_in_transformers(mlm_run, qa_run, summarize_run):
 
 
 def test_output_names_the_special_tokens_training_used(qa_run, summarize_run):
-    """The serving path (model.tokenization) resolves the ids the data was built with."""
-    from model.tokenization import special_token_ids
+    """The serving path (longdoc.model.tokenization) resolves the ids the data was built with."""
+    from longdoc.model.tokenization import special_token_ids
 
     ids = special_token_ids(qa_run.output)
     assert (ids["cls"], ids["sep"], ids["pad"], ids["mask"]) == (2, 3, 0, 4)
@@ -205,7 +205,7 @@ def test_output_names_the_special_tokens_training_used(qa_run, summarize_run):
 def test_fine_tune_from_checkpoint_adds_head(work, mlm_run, capsys):
     """QA fine-tuning from the MLM checkpoint: the encoder is loaded, the QA head is new, the MLM
     head is dropped (both said), and the encoder weights are the MLM run's at step 0."""
-    from model import load_pretrained
+    from longdoc.model import load_pretrained
 
     result = train(TrainConfig(task="qa", model=str(mlm_run.output), train=str(work / "qa.jsonl"),
                                output=str(work / "qa-from-mlm"), max_length=128, max_steps=1, lr=0.0, warmup_steps=0))
@@ -222,8 +222,8 @@ def test_fine_tune_refuses_an_encoder_that_does_not_fit(work, mlm_run, tmp_path)
     naming the key, even under the fine-tuning policy."""
     from safetensors.torch import load_file, save_file
 
-    from model.checkpoint import LoadError
-    from model.train import build_model, load_weights
+    from longdoc.model.checkpoint import LoadError
+    from longdoc.model.train import build_model, load_weights
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -270,7 +270,7 @@ def test_resume_continues_step_schedule_and_data(work):
 
 
 def test_linear_schedule():
-    from model.train import linear_schedule
+    from longdoc.model.train import linear_schedule
 
     f = linear_schedule(warmup=4, total=10)
     values = [f(s) for s in range(11)]
@@ -283,7 +283,7 @@ def test_linear_schedule():
 
 
 def test_qa_windows_hold_the_answer(work):
-    from model.train import load_tokenizer
+    from longdoc.model.train import load_tokenizer
 
     tok, _ = load_tokenizer(str(work / "bigbird"), None)
     special = D.special_tokens_from(tok, BIGBIRD)
@@ -382,8 +382,8 @@ def _tiny_encoder(kind: str, directory: Path, positions: int):
 def test_warmstart_bert_tiles_positions_and_keeps_outputs(tmp_path):
     import transformers
 
-    from model import load_pretrained
-    from model.warmstart import warm_start
+    from longdoc.model import load_pretrained
+    from longdoc.model.warmstart import warm_start
 
     bert = _tiny_encoder("bert", tmp_path / "bert", 16)
     record = warm_start(tmp_path / "bert", tmp_path / "bb", 64, block_size=8, num_random_blocks=1)
@@ -412,8 +412,8 @@ def test_warmstart_bert_tiles_positions_and_keeps_outputs(tmp_path):
 
 
 def test_warmstart_roberta_skips_its_offset_rows(tmp_path):
-    from model import load_pretrained
-    from model.warmstart import warm_start
+    from longdoc.model import load_pretrained
+    from longdoc.model.warmstart import warm_start
 
     roberta = _tiny_encoder("roberta", tmp_path / "rob", 18)  # 16 usable positions + 2 offset rows
     warm_start(tmp_path / "rob", tmp_path / "bb", 64, block_size=8, num_random_blocks=1)

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import uvicorn
 
-from service.app import create_app
-from service.connections import limited_protocol
-from service.settings import Settings
-from service.workers import FakeWorker
+from longdoc.service.app import create_app
+from longdoc.service.connections import limited_protocol
+from longdoc.service.settings import Settings
+from longdoc.service.workers import FakeWorker
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from service.access import TokenBucket
-from service.app import create_app
-from service.settings import Settings
+from longdoc.service.access import TokenBucket
+from longdoc.service.app import create_app
+from longdoc.service.settings import Settings
 from tests.service.conftest import running_app
 
 KEY, OTHER = "sk-test-0123456789abcdef", "sk-other-fedcba9876543210"
@@ -144,7 +144,7 @@ def test_schema_declares_the_bearer_key():
 def test_serve_flags(tmp_path):
     import argparse
 
-    from service import cli
+    from longdoc.service import cli
 
     parser = argparse.ArgumentParser()
     cli.add_commands(parser.add_subparsers())

@@ -308,7 +308,7 @@ def test_draining_is_not_ready_and_refuses_new_work():
 def test_settings_from_environment_and_flags(monkeypatch):
     import argparse
 
-    from service import cli
+    from longdoc.service import cli
 
     monkeypatch.setenv("LONGDOC_MAX_BATCH_TOKENS", "1234")
     monkeypatch.setenv("LONGDOC_MODELS", '{"a": "/x"}')
@@ -348,7 +348,7 @@ def test_disconnect_drops_queued_windows():
     windows never reach the worker."""
     import httpx
 
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
     from tests.service.conftest import ThreadServer
 
     factory = fake_factory(qa={"delay_s": 0.05})
@@ -367,7 +367,7 @@ def test_metrics_multiprocess_mode(tmp_path):
     import sys
 
     code = (
-        "from service.metrics import Metrics\n"
+        "from longdoc.service.metrics import Metrics\n"
         "m = Metrics()\n"
         "m.failures.labels('qa', 'timeout').inc(3)\n"
         "m.in_flight.labels('qa').inc()\n"
@@ -442,7 +442,7 @@ def test_beam_search_past_deadline_stops_between_decoder_steps():
 def test_disconnect_stops_beam_search_between_decoder_steps():
     import httpx
 
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
     from tests.service.conftest import ThreadServer
 
     factory = fake_factory(summarize={"delay_s": 0.02, "summary_tokens": 60})

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batching import BatchingPolicy, Entry
+from longdoc.service.batching import BatchingPolicy, Entry
 
 
 def policy(budget=256, size=8, wait=0.010, bucket=16):

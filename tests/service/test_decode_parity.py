@@ -19,12 +19,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from model.search import resolve_settings
-from service.app import create_app
-from service.batcher import DecodeScheduler, RequestState, WorkerSlot
-from service.metrics import Metrics
-from service.settings import Settings
-from service.workers import CudaWorker, OnnxWorker
+from longdoc.model.search import resolve_settings
+from longdoc.service.app import create_app
+from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
+from longdoc.service.metrics import Metrics
+from longdoc.service.settings import Settings
+from longdoc.service.workers import CudaWorker, OnnxWorker
 from tests.tiny_models import TINY_GENERATION, TINY_WORDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ async def ask(directory, bodies: list[dict]) -> list[httpx.Response]:
 def test_app_answers_as_the_reference_search(tiny_summarize_options_dir):
     """Requests that leave the options unset get the model's generation defaults, as
     OnnxModel.generate does; streamed, not streamed, several documents, beam search, overrides."""
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(tiny_summarize_options_dir, threads=1)
     texts = [text_of(n, seed) for n, seed in ((200, 5), (30, 6), (120, 7))]
@@ -161,7 +161,7 @@ def test_app_answers_as_the_reference_search(tiny_summarize_options_dir):
 def test_shipped_summarizer_forces_eos_as_offline():
     """models/summarize sets forced_eos_token_id 102: with max_new_tokens=4 the fourth position
     is eos, so three tokens come back (the scheduler used to add a fourth, 1835)."""
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(SHIPPED, threads=1)
     assert model.manifest.decoder["generation"]["forced_eos_token_id"] == 102

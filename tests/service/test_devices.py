@@ -5,10 +5,10 @@ its providers and then build the session on the CPU provider)."""
 import onnxruntime as ort
 import pytest
 
-from export.runtime import OnnxModel, execution_providers
-from service.settings import CPU_MAX_BATCH_TOKENS, GPU_MAX_BATCH_TOKENS, Settings
-from service.settings import parse_device
-from service.workers import CudaWorker, OnnxWorker, onnx_worker_factory
+from longdoc.export.runtime import OnnxModel, execution_providers
+from longdoc.service.settings import CPU_MAX_BATCH_TOKENS, GPU_MAX_BATCH_TOKENS, Settings
+from longdoc.service.settings import parse_device
+from longdoc.service.workers import CudaWorker, OnnxWorker, onnx_worker_factory
 
 
 def test_batch_token_budget_defaults_per_device():
@@ -29,7 +29,7 @@ def test_batch_token_budget_from_environment(monkeypatch):
 def test_cpu_worker_gets_the_cpu_budget_and_still_batches_short_sequences(tiny_qa_dir):
     """The factory resolves the budget for the worker's device, with no floor at the model's
     maximum length: a sequence over the budget runs alone, shorter ones still share a batch."""
-    from service.batching import BatchingPolicy, Entry
+    from longdoc.service.batching import BatchingPolicy, Entry
 
     worker = onnx_worker_factory("qa", tiny_qa_dir, "cpu", Settings(threads=1))
     assert isinstance(worker, OnnxWorker) and worker.max_batch_tokens == CPU_MAX_BATCH_TOKENS

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.settings import Settings
+from longdoc.service.settings import Settings
 from tests.deploy.conftest import require_tool
 from tests.service.conftest import ThreadServer, fake_factory
 

@@ -14,10 +14,10 @@ import httpx
 import numpy as np
 import pytest
 
-from service.settings import Settings
-from export.evaluate import qa_spans
-from export.windows import pool_logits
-from service.workers import OnnxWorker
+from longdoc.service.settings import Settings
+from longdoc.export.evaluate import qa_spans
+from longdoc.export.windows import pool_logits
+from longdoc.service.workers import OnnxWorker
 from tests.service.conftest import ServeProcess, ThreadServer
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
@@ -39,7 +39,7 @@ def server(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
 
 @pytest.fixture(scope="module")
 def offline(tiny_qa_dir, tiny_classify_dir, tiny_summarize_dir):
-    from export.runtime import OnnxModel
+    from longdoc.export.runtime import OnnxModel
 
     return {"qa": OnnxModel(tiny_qa_dir, threads=1), "cls": OnnxModel(tiny_classify_dir, threads=1),
             "sum": OnnxModel(tiny_summarize_dir, threads=1)}
@@ -59,7 +59,7 @@ def test_qa_across_window_boundaries_matches_offline(server, offline):
     r = httpx.post(server.url + "/v1/qa", json={"question": question, "documents": docs, "top_k": 3}, timeout=60)
     assert r.status_code == 200, r.text
     for doc, result in zip(docs, r.json()["results"]):
-        # `longdoc eval`'s QA path (export.evaluate.qa_spans) must answer what the service answers
+        # `longdoc eval`'s QA path (longdoc.export.evaluate.qa_spans) must answer what the service answers
         expected, n_windows = qa_spans(offline["qa"], question, doc, 512, 30, stride=100, top_k=3)
         got = result["answers"]
         assert result["usage"]["windows"] == n_windows
@@ -255,7 +255,7 @@ def test_sigterm_drains_in_flight_work_then_exits(tiny_summarize_dir, tmp_path):
 def test_io_binding_encoder_matches_run_encoder(offline):
     """The CUDA worker's I/O-binding path, run on the CPU provider: same outputs as run_encoder,
     at a full-attention and a block-sparse length, twice (the second from the layout cache)."""
-    from service.workers import EncoderBatch, IoBindingEncoder
+    from longdoc.service.workers import EncoderBatch, IoBindingEncoder
 
     m = offline["qa"]
     enc = IoBindingEncoder(m, "cpu")
@@ -276,7 +276,7 @@ def test_io_binding_encoder_matches_run_encoder(offline):
 def test_generate_should_stop_is_checked_between_decoder_steps(offline):
     """The real beam search: a callback that never fires changes nothing; one that fires on its
     4th call stops the search with GenerationStopped after the encoder check and 3 decoder steps."""
-    from export.generation import GenerationStopped
+    from longdoc.export.generation import GenerationStopped
 
     m = offline["sum"]
     ids = m.tokenizer.encode(text_of(60, seed=7), add_special_tokens=False).ids + [m.manifest.special_tokens["eos"]]
@@ -300,7 +300,7 @@ def test_io_binding_decoder_matches_decoder_step(tiny_summarize_dir):
     provider: the same logits as OnnxWorker.step (OnnxModel.decoder_step) for the same tokens,
     while sequences of different lengths join and leave; the cache is uploaded only when the
     batch changes."""
-    from service.workers import IoBindingDecoder, OnnxWorker
+    from longdoc.service.workers import IoBindingDecoder, OnnxWorker
 
     host = OnnxWorker("sum", tiny_summarize_dir, "cpu", threads=1)
     dec = IoBindingDecoder(host.model, "cpu")

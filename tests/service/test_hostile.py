@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import service.app
-from service.workers import onnx_worker_factory
+import longdoc.service.app
+from longdoc.service.workers import onnx_worker_factory
 from tests.service.conftest import running_app
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models"

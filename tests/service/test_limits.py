@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from service.app import BodyLimitMiddleware
-from service.settings import Settings
+from longdoc.service.app import BodyLimitMiddleware
+from longdoc.service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 
 MODELS = {"cls": "classify"}
@@ -184,7 +184,7 @@ def test_body_bytes_in_flight_are_capped_and_released():
 def test_serve_flags(flag, field, value):
     import argparse
 
-    from service import cli
+    from longdoc.service import cli
 
     parser = argparse.ArgumentParser()
     cli.add_commands(parser.add_subparsers())

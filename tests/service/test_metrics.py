@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app import create_app
-from service.batcher import EncoderBatcher, RequestState, WorkerSlot
-from service.batching import BatchingPolicy
-from service.metrics import Metrics
-from service.settings import Settings
-from service.workers import FakeWorker
+from longdoc.service.app import create_app
+from longdoc.service.batcher import EncoderBatcher, RequestState, WorkerSlot
+from longdoc.service.batching import BatchingPolicy
+from longdoc.service.metrics import Metrics
+from longdoc.service.settings import Settings
+from longdoc.service.workers import FakeWorker
 from tests.service.conftest import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +162,7 @@ def test_ready_gauge_multiprocess_mode_is_the_minimum_over_processes(tmp_path):
     # ready only when both are
     code = (
         "import sys\n"
-        "from service.metrics import Metrics\n"
+        "from longdoc.service.metrics import Metrics\n"
         "m = Metrics()\n"
         "m.track_readiness(lambda: sys.argv[1] == 'ready')\n"
         "print(m.render()[0].decode())\n"

@@ -7,11 +7,11 @@ import sys
 CODE = """
 import asyncio, sys
 import httpx
-import service.app, service.workers, service.batcher, service.batching, service.cli, service.metrics
-from service.settings import Settings
+import longdoc.service.app, longdoc.service.workers, longdoc.service.batcher, longdoc.service.batching, longdoc.service.cli, longdoc.service.metrics
+from longdoc.service.settings import Settings
 
 async def main(model_dir):
-    app = service.app.create_app(Settings(models={"qa": model_dir}, threads=1))
+    app = longdoc.service.app.create_app(Settings(models={"qa": model_dir}, threads=1))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             r = await c.post("/v1/qa", json={"question": "where", "document": "the gold is here"})

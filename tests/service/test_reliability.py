@@ -33,9 +33,9 @@ async def until(predicate, what: str, timeout_s: float = 10.0):
 
 
 def test_admission_charges_the_whole_cost_and_estimates_the_wait():
-    from service.batcher import admit
-    from service.batching import DrainRate, QueueBudget
-    from service.errors import Overloaded, TooLarge
+    from longdoc.service.batcher import admit
+    from longdoc.service.batching import DrainRate, QueueBudget
+    from longdoc.service.errors import Overloaded, TooLarge
 
     budget = QueueBudget(4000, small_share=0.25)  # reserve 1000, at most 3000 per request
     rate = DrainRate()
@@ -185,8 +185,8 @@ def test_shutdown_with_nothing_in_flight_does_not_wait_for_a_failing_restart():
 
 
 def test_json_token_scan_is_exact_across_chunk_edges():
-    from service.errors import TooLarge
-    from service.validation import scan_json_tokens
+    from longdoc.service.errors import TooLarge
+    from longdoc.service.validation import scan_json_tokens
 
     body = b'{"a\\\\": "x,y\\"z:[{", "b": [1,2]}'  # 9: { "a\\" : "x,y\"z:[{" , "b" : [ ,
     for chunk in (1, 2, 3, 5, 1 << 18):
@@ -198,7 +198,7 @@ def test_json_token_scan_is_exact_across_chunk_edges():
 
 @pytest.fixture(scope="module")
 def classify_server():
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
     from tests.service.conftest import ThreadServer
 
     with ThreadServer(Settings(models={"cls": "classify"}, warmup=False), fake_factory()) as s:
@@ -331,7 +331,7 @@ def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_d
 @pytest.fixture
 def beam_server():
     """A summarizer whose decoder steps wait at `gate`; keep-alive comments every 50 ms."""
-    from service.settings import Settings
+    from longdoc.service.settings import Settings
     from tests.service.conftest import ThreadServer
 
     gate = threading.Event()

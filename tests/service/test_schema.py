@@ -12,8 +12,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from service.app import _ERRORS
-from service.settings import Settings
+from longdoc.service.app import _ERRORS
+from longdoc.service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 
 MAX_EXAMPLES = 30

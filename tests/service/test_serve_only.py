@@ -25,10 +25,10 @@ sys.meta_path.insert(0, NotInstalled())
 import numpy as np
 import onnxruntime as ort
 
-from model.search import resolve_settings
-from service.workers import (CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker,
-                             onnx_worker_factory)
-from service.settings import Settings
+from longdoc.model.search import resolve_settings
+from longdoc.service.workers import (CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker,
+                                     onnx_worker_factory)
+from longdoc.service.settings import Settings
 
 qa_dir, sum_dir = sys.argv[1], sys.argv[2]
 ids = np.arange(7, 47, dtype=np.int64)[None]  # (1, 40)

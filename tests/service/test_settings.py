@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service import cli
-from service.settings import Settings, choose_default_models
+from longdoc.service import cli
+from longdoc.service.settings import Settings, choose_default_models
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from pathlib import Path
+
+from longdoc.default_models import default_model_dirs
 
 SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
 
@@ -91,7 +92,7 @@ def _pairs(flag: str, values: list[str], metavar: str) -> dict[str, str]:
 
 def build_settings(args: argparse.Namespace):
     """Settings from LONGDOC_* variables with the flags given on top (a flag replaces a variable's
-    value whole); with no models at all, every exported model under models/."""
+    value whole); with no models at all, the default models (./models, else longdoc-models)."""
     from pydantic import ValidationError
 
     from longdoc.service.settings import Settings
@@ -126,20 +127,6 @@ def settings_error(exc) -> str:
             continue
         parts.append(f"{flag_of(name, field)} (LONGDOC_{name.upper()}) {e['input']!r}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
-
-
-def default_model_dirs() -> dict[str, Path]:
-    """Every exported model under <repo>/models/ (or ./models/), named by its directory."""
-    roots = [Path(__file__).resolve().parents[1] / "models", Path.cwd() / "models"]
-    for root in roots:
-        found = {d.name: d for d in sorted(root.glob("*")) if (d / "manifest.json").is_file()}
-        if found:
-            return found
-    raise ValueError(
-        "no models. Pass --model NAME=DIR with a directory written by `longdoc export` "
-        "(e.g. `longdoc export CHECKPOINT_DIR models/qa --task qa`), or put exported model directories "
-        f"under {roots[1]}/ (see docs/service.md)."
-    )
 
 
 def check_models(settings) -> None:

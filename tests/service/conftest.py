@@ -130,21 +130,22 @@ class ThreadServer:
 
 class ServeProcess:
     """A real `python -m longdoc serve` subprocess on a free loopback port (LONGDOC_THREADS=1 and
-    `env` added to the environment), its output in `log_path`; entered once /readyz says ready,
-    killed on exit if still running."""
+    `env` added to the environment, run in `cwd`), its output in `log_path`; entered once /readyz
+    says ready, killed on exit if still running."""
 
-    def __init__(self, args: list[str], log_path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path, env: dict[str, str] | None = None, cwd=None, ready_s: float = 60):
         self.env = dict(os.environ, LONGDOC_THREADS="1", **(env or {}))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "longdoc", "serve", "--port", str(self.port), "--log-level", "warning",
                      *args]
         self.log_path = log_path
+        self.cwd, self.ready_s = cwd, ready_s
 
     def __enter__(self):
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.cwd)
+        deadline = time.monotonic() + self.ready_s
         while True:
             try:
                 if httpx.get(self.url + "/readyz").status_code == 200:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from longdoc import default_models
 from longdoc.service import cli
 from longdoc.service.settings import Settings, choose_default_models
 
@@ -113,18 +114,29 @@ def test_default_model_choice():
         choose_default_models({"qa": "sum1"}, tasks)
 
 
-def test_no_models_names_the_directory_searched_not_the_package(tmp_path, monkeypatch):
-    """Installed (the container), the package's own models/ is in site-packages and empty; the
-    message names ./models, where the image puts them (/models with the working directory /)."""
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "service" / "cli.py"))
-    monkeypatch.chdir(tmp_path)
+def test_default_models_are_found_in_the_working_directory_then_in_longdoc_models(tmp_path, monkeypatch):
+    """longdoc/default_models.py: ./models first (a clone's root, the image's /models), else the
+    installed longdoc-models package; with neither, the message names ./models and how to install
+    the defaults, never a path inside site-packages."""
+    # a package name of its own: a clone with `pip install -e ./models` has the real longdoc_models
+    monkeypatch.setattr(default_models, "PACKAGE", "longdoc_models_under_test")
+    installed = tmp_path / "site-packages" / "longdoc_models_under_test"
+    (installed / "qa").mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    (installed / "qa" / "manifest.json").write_text("{}")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
     with pytest.raises(ValueError) as exc:
         cli.build_settings(serve_parser().parse_args(["serve"]))
-    assert f"under {tmp_path}/models/" in str(exc.value) and "site-packages" not in str(exc.value)
-    export = tmp_path / "models" / "qa"
-    export.mkdir(parents=True)
-    (export / "manifest.json").write_text("{}")
-    assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"qa": export}
+    assert f"under {work}/models/" in str(exc.value) and "pip install ./models" in str(exc.value)
+    assert "site-packages" not in str(exc.value)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"qa": installed / "qa"}
+    local = work / "models" / "myqa"
+    local.mkdir(parents=True)
+    (local / "manifest.json").write_text("{}")
+    assert cli.build_settings(serve_parser().parse_args(["serve"])).models == {"myqa": local}
 
 
 def test_every_setting_has_a_description_for_its_help():

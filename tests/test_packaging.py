@@ -1,0 +1,92 @@
+"""What pip users get (issue 13): the longdoc wheel installs one name, `longdoc` (model/, export/,
+service/ as longdoc.model, longdoc.export, longdoc.service), and no models; the default models are
+the longdoc-models wheel, every model directory whole with its LICENSE and TRAINING-DATA-COPYRIGHT;
+installed from the two wheels, `longdoc serve` run from a directory holding a `model.py` (and
+`export.py`, `service.py`) serves the default models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.conftest import ServeProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+LICENCES = ("LICENSE", "TRAINING-DATA-COPYRIGHT")
+
+
+def build_wheel(source: Path, out: Path) -> Path:
+    """`pip wheel` of a source tree, without build isolation (the test venv's setuptools: offline)."""
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def longdoc_wheel(tmp_path_factory) -> Path:
+    return build_wheel(ROOT, tmp_path_factory.mktemp("longdoc-wheel"))
+
+
+@pytest.fixture(scope="module")
+def models_wheel(tmp_path_factory) -> Path:
+    return build_wheel(MODELS, tmp_path_factory.mktemp("models-wheel"))
+
+
+def shipped_models() -> dict[str, set[str]]:
+    return {d.name: {f.name for f in d.iterdir() if f.is_file()}
+            for d in sorted(MODELS.iterdir()) if (d / "manifest.json").is_file()}
+
+
+def test_longdoc_wheel_installs_one_namespace_and_no_models(longdoc_wheel):
+    names = zipfile.ZipFile(longdoc_wheel).namelist()
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"longdoc"}
+    for module in ("longdoc/model/layout.py", "longdoc/export/runtime.py", "longdoc/service/app.py", "longdoc/cli.py"):
+        assert module in names
+    assert [n for n in names if not n.endswith(".py") and ".dist-info/" not in n] == []
+    assert longdoc_wheel.stat().st_size < 1_000_000  # code only (the models made it 97.5 MB)
+
+
+def test_models_wheel_ships_every_model_directory_whole_with_its_licences(models_wheel):
+    names = set(zipfile.ZipFile(models_wheel).namelist())
+    models = shipped_models()
+    assert set(models) == {"qa", "summarize", "classify"}
+    for name, files in models.items():
+        assert set(LICENCES) <= files, f"models/{name} has no licence files"
+        shipped = {n.split("/", 2)[2] for n in names if n.startswith(f"longdoc_models/{name}/")}
+        assert shipped == files, f"longdoc_models/{name}: {sorted(files ^ shipped)}"
+
+
+@pytest.mark.slow
+def test_installed_wheels_serve_the_default_models_beside_a_users_model_py(longdoc_wheel, models_wheel, tmp_path):
+    site = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                          str(site), str(longdoc_wheel), str(models_wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    work = tmp_path / "work"  # a user's folder: its own model.py, export.py, service.py
+    work.mkdir()
+    for name in ("model", "export", "service"):
+        (work / f"{name}.py").write_text(f"raise ImportError('the user\\'s {name}.py was imported')\n")
+    env = {"PYTHONPATH": str(site)}  # before the test venv's editable longdoc
+    where = subprocess.run([sys.executable, "-c", "import longdoc.service.app as a, longdoc_models as m; "
+                            "print(a.__file__); print(m.__file__)"],
+                           cwd=work, env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
+    assert where.returncode == 0, where.stderr
+    assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
+    with ServeProcess([], tmp_path / "serve.log", env=env, cwd=work, ready_s=180) as server:
+        listed = {m["name"] for m in httpx.get(server.url + "/v1/models").json()["models"]}
+        answer = httpx.post(server.url + "/v1/qa", json={"question": "What does -v do?",
+                                                         "document": "OPTIONS\n-v print the version and exit."},
+                            timeout=60)
+    assert listed == set(shipped_models())
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "qa"

@@ -117,14 +117,14 @@ def test_external_weights_are_checksummed_too(tmp_path, tiny_checkpoint_dir, mon
     """A graph over 2 GiB keeps its weights in NAME.onnx.data: that file is recorded and checked."""
     import onnx
 
-    import longdoc.export.exporter
+    from longdoc.export import exporter
     from tests.tiny_models import make_tiny_export
 
     def save_external(model, path):  # what longdoc.export.graph.save_model does over 1.8 GB, at any size
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=Path(path).name + ".data", size_threshold=1024)
 
-    monkeypatch.setattr(export.exporter, "save_model", save_external)
+    monkeypatch.setattr(exporter, "save_model", save_external)
     d = make_tiny_export(tmp_path / "model", "classify", checkpoint_dir=tiny_checkpoint_dir("classify"))
     m = Manifest.load(d)
     assert set(m.files) == {"encoder.onnx", "encoder.onnx.data", TOKENIZER_NAME}

@@ -266,8 +266,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here (default: none)")
     p.add_argument("--tiny", action="store_true",
                    help="small shapes with the same position tables, to check the script in a minute (default: off)")
-    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--args", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default=None, choices=["make", "export", "verify", "generate"],
+                   help="run one phase in this process, as the driver does (default: none, the whole run)")
+    p.add_argument("--args", default="{}", help="the phase's keyword arguments as JSON (default: {})")
     args = p.parse_args()
     if args.phase:
         fn = {"make": phase_make, "export": phase_export, "verify": phase_verify, "generate": phase_generate}

@@ -74,13 +74,14 @@ def best_spans(
     offsets: list[tuple[int, int]],  # per document token: (char start, char end)
     top_k: int,
     max_answer_tokens: int,
-    candidates: int = 20,
 ) -> list[Span]:
     """The top_k best answer spans across all windows, at most max_answer_tokens long.
 
-    Per window, the best `candidates` starts and ends are paired (a (k, k) score matrix) and
-    the window's top_k valid pairs kept: a span among the global top_k is among the top_k of
-    the window where it scores best, so this loses nothing but ties."""
+    Per window every valid span is scored (an (n, max_answer_tokens) matrix: start i, length
+    j + 1), so the best span is exact, as transformers' QA pipeline's; pairing only the best 20
+    starts with the best 20 ends (SQuAD's n-best) misses it whenever those lie further apart than
+    max_answer_tokens, as they do in flat logits. A span among the global top_k is among the
+    top_k of the window where it scores best, so keeping each window's top_k loses nothing."""
     best: dict[tuple[int, int], Span] = {}
     for w, s_log, e_log in zip(windows, start_logits, end_logits):
         n = w.doc_end - w.doc_start
@@ -88,18 +89,15 @@ def best_spans(
             continue
         s = np.asarray(s_log[w.offset : w.offset + n], dtype=np.float64)  # document tokens only
         e = np.asarray(e_log[w.offset : w.offset + n], dtype=np.float64)
-        k = min(candidates, n)
-        starts = np.argpartition(-s, k - 1)[:k]  # (k,)
-        ends = np.argpartition(-e, k - 1)[:k]  # (k,)
-        length = ends[None, :] - starts[:, None] + 1  # (k, k)
-        score = s[starts][:, None] + e[ends][None, :]  # (k, k)
-        score = np.where((length >= 1) & (length <= max_answer_tokens), score, -np.inf).ravel()
+        length = min(max_answer_tokens, n)
+        ends = np.arange(n)[:, None] + np.arange(length)[None, :]  # (n, length): end token of span (i, j)
+        score = np.where(ends < n, s[:, None] + e[np.minimum(ends, n - 1)], -np.inf).ravel()  # (n * length,)
         keep = min(top_k, score.size)
         for flat in np.argpartition(-score, keep - 1)[:keep]:
             if not np.isfinite(score[flat]):
                 continue
-            i, j = starts[flat // k], ends[flat % k]
-            ti, tj = w.doc_start + int(i), w.doc_start + int(j)
+            i, j = divmod(int(flat), length)
+            ti, tj = w.doc_start + i, w.doc_start + i + j
             span = Span(offsets[ti][0], offsets[tj][1], float(score[flat]), ti, tj)
             key = (span.start, span.end)
             if key not in best or best[key].score < span.score:

@@ -1,6 +1,7 @@
 """Window splitting, span merging across windows, offset mapping, pooling."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,3 +79,24 @@ def test_classify_windows_and_mean_pooling():
     assert [w[1:-1] for w in ws] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
     p = pool_logits([np.array([2.0, 0.0]), np.array([0.0, 0.0])])
     assert np.allclose(p, np.exp([1, 0]) / np.exp([1, 0]).sum())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_span_is_the_exact_best_when_the_best_starts_and_ends_lie_apart(seed):
+    """Flat, noisy logits (a random-init model's): the best starts and the best ends are rarely
+    within max_answer_tokens of each other, so the best valid span is not made of them. The
+    answer must still be the best valid span (transformers' QA pipeline scores every pair)."""
+    rng = np.random.default_rng(seed)
+    n, max_answer = 3000, 30
+    ws = qa_windows([7, 8], list(range(n)), max_length=n + 5, stride=None, cls=2, sep=3)  # one window
+    s, e = rng.normal(0, 1, len(ws[0].input_ids)), rng.normal(0, 1, len(ws[0].input_ids))
+    ds, de = s[ws[0].offset : ws[0].offset + n], e[ws[0].offset : ws[0].offset + n]
+    # (n, max_answer) scores of span (i, i + j) by a sliding window; -inf past the end
+    ends = np.arange(n)[:, None] + np.arange(max_answer)[None, :]
+    exact = np.where(ends < n, ds[:, None] + de[np.minimum(ends, n - 1)], -np.inf)
+    i, j = np.unravel_index(np.argmax(exact), exact.shape)
+    offsets = [(3 * t, 3 * t + 2) for t in range(n)]
+    top = best_spans(ws, [s], [e], offsets, top_k=3, max_answer_tokens=max_answer)
+    assert (top[0].token_start, top[0].token_end) == (i, i + j)
+    assert top[0].score == pytest.approx(exact[i, j])
+    assert [sp.score for sp in top] == pytest.approx(sorted(exact.ravel(), reverse=True)[:3])

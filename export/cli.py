@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from longdoc.export.verify import Agreement
 
@@ -38,21 +39,21 @@ def add_commands(subparsers) -> None:
     v.add_argument("--allow-other-checkpoint", action="store_true",
                    help="compare with a checkpoint whose weights' sha256 differs from the one the manifest "
                         "records (default: off, a different checkpoint is an error)")
-    a = Agreement()
-    v.add_argument("--min-span-agreement", type=float, default=a.span, metavar="FRACTION",
-                   help=f"int8 QA: best span identical to the fp32 reference in at least this fraction of rows "
-                        f"(default: {a.span})")
-    v.add_argument("--min-top3-agreement", type=float, default=a.span_in_top, metavar="FRACTION",
-                   help=f"int8 QA: the reference's best span among the int8 top 3 in at least this fraction "
-                        f"(default: {a.span_in_top})")
-    v.add_argument("--min-label-agreement", type=float, default=a.label, metavar="FRACTION",
-                   help=f"int8 classify/MLM: label (argmax token) identical in at least this fraction "
-                        f"(default: {a.label})")
-    v.add_argument("--min-token-agreement", type=float, default=a.tokens, metavar="FRACTION",
-                   help=f"int8 summarize: the first --token-prefix greedy tokens identical in at least this "
-                        f"fraction of rows (default: {a.tokens})")
-    v.add_argument("--token-prefix", type=int, default=a.tokens_prefix, metavar="N",
-                   help=f"int8 summarize: how many leading greedy tokens must agree (default: {a.tokens_prefix})")
+    # int8 pass criteria, one flag per Agreement field (docs/export.md, "verify")
+    for flag, name, metavar, what in (
+        ("--min-span-agreement", "span", "FRACTION",
+         "int8 QA: best span identical to the fp32 reference in at least this fraction of rows"),
+        ("--min-top3-agreement", "span_in_top", "FRACTION",
+         "int8 QA: the reference's best span among the int8 top 3 in at least this fraction of rows"),
+        ("--min-label-agreement", "label", "FRACTION",
+         "int8 classify/MLM: label (argmax token) identical in at least this fraction"),
+        ("--min-token-agreement", "tokens", "FRACTION",
+         "int8 summarize: the first --token-prefix greedy tokens identical in at least this fraction of rows"),
+        ("--token-prefix", "tokens_prefix", "N", "int8 summarize: how many leading greedy tokens must agree"),
+    ):
+        default = getattr(Agreement(), name)
+        v.add_argument(flag, dest=name, type=type(default), default=default, metavar=metavar,
+                       help=f"{what} (default: {default})")
     v.set_defaults(func=_verify)
 
 
@@ -89,9 +90,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     from longdoc.export.verify import VerifyError, verify_model
 
-    agreement = Agreement(span=args.min_span_agreement, span_in_top=args.min_top3_agreement,
-                          label=args.min_label_agreement, tokens=args.min_token_agreement,
-                          tokens_prefix=args.token_prefix)
+    agreement = Agreement(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Agreement)})
     try:
         report = verify_model(args.output_dir, args.checkpoint, against=args.against, lengths=args.lengths,
                               threads=args.threads, progress=lambda msg: print(msg, flush=True),

@@ -105,3 +105,13 @@ def test_checkpoint_of_another_shape_is_a_clear_error(int8_exports, tmp_path):
     wide = make_tiny_checkpoint(tmp_path / "wide", "qa", hidden_size=64, intermediate_size=128)
     with pytest.raises(VerifyError, match="hidden_size 64 \\(export: 128\\)"):
         verify_model(model_dir, wide, progress=quiet, threads=1, lengths=[16], allow_other_checkpoint=True)
+
+
+def test_cli_thresholds_reach_verify(int8_exports):
+    """--min-label-agreement 0 lets the other checkpoint's labels pass (the flags are wired)."""
+    model_dir, _, other = int8_exports["classify"]
+    out = subprocess.run([sys.executable, "-m", "longdoc", "verify", str(model_dir), "--checkpoint", str(other),
+                          "--lengths", "16,300", "--allow-other-checkpoint", "--min-label-agreement", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "need >= 0%" in out.stdout

@@ -1,0 +1,303 @@
+"""Issue 12's reliability battery against a real `longdoc serve`: hostile inputs (/livez p99),
+4x open-loop overload (admitted p99, Retry-After honesty, small requests beside a large one),
+a mixed soak (server RSS) and SIGTERM under 4x load (fresh server). Prints one table, saves JSON.
+
+    python bench/battery.py [--url URL] [--json battery.json]
+
+Without --url it starts `longdoc serve --threads 2` on the shipped models/ (and always starts a
+fresh one for the SIGTERM part, which needs the process). About 5-10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from slow_clients import rss_mib  # noqa: E402  (one VmRSS reader)
+
+SMALL_DOC = "The committee met on Tuesday and approved the budget for the new library. " * 4
+QUESTION = "When did the committee meet?"
+
+
+def request_for(task: str, document: str) -> tuple[str, dict]:
+    if task == "qa":
+        return "/v1/qa", {"question": QUESTION, "document": document}
+    if task == "classify":
+        return "/v1/classify", {"document": document}
+    return "/v1/summarize", {"document": document, "max_new_tokens": 16}
+
+
+def outcome(response: httpx.Response | None) -> str:
+    """'200', or '<status> <error.type>' for the one error shape, or 'BAD <status>' for anything else
+    (plain text, generic 5xx, a transport failure)."""
+    if response is None:
+        return "BAD transport"
+    if isinstance(response, httpx.ConnectError):  # listener closed (shutdown): never admitted
+        return "connect refused"
+    if response.status_code == 200:
+        return "200"
+    try:
+        kind = response.json()["error"]["type"]
+    except Exception:
+        return f"BAD {response.status_code}"
+    return f"BAD {response.status_code} {kind}" if response.status_code in (500, 502, 504) else \
+        f"{response.status_code} {kind}"
+
+
+def p99(values) -> float:
+    return float(np.percentile(values, 99)) if len(values) else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(threads: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    models = [f"--model={task}={ROOT / 'models' / task}" for task in ("qa", "classify", "summarize")]
+    proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--threads",
+                             str(threads), "--log-level", "warning", *models],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server did not become ready; see {log_path}")
+
+
+def hostile(url: str, seconds_each: float) -> dict:
+    """/livez probed every 20 ms while 2 MB documents, a 500k-key object and a slow upload arrive."""
+    document = json.dumps({"document": " ".join(f"w{i % 200}" for i in range(440_000))}).encode()
+    keys = json.dumps({f"k{i}": 1 for i in range(500_000)}).encode()
+    outcomes, probes = Counter(), []
+    port = int(url.rsplit(":", 1)[1])
+
+    def slow_upload():
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 100000\r\n\r\n")
+            end = time.monotonic() + seconds_each
+            try:
+                while time.monotonic() < end:
+                    s.sendall(b" " * 100)
+                    time.sleep(0.1)
+            except OSError:
+                pass
+            s.settimeout(5)
+            try:
+                line = s.recv(200).split(b"\r\n")[0]
+                outcomes[f"slow upload {line.split()[1].decode()}" if line.startswith(b"HTTP/") else "slow upload closed"] += 1
+            except OSError:
+                outcomes["slow upload closed"] += 1
+
+    def big(body: bytes):
+        end = time.monotonic() + seconds_each
+        while time.monotonic() < end:
+            try:
+                outcomes[outcome(httpx.post(url + "/v1/classify", content=body, timeout=120,
+                                            headers={"content-type": "application/json"}))] += 1
+            except httpx.TransportError:
+                outcomes["BAD transport"] += 1
+
+    workers = [threading.Thread(target=f, args=a) for f, a in ((big, (document,)), (big, (keys,)), (slow_upload, ()))]
+    for w in workers:
+        w.start()
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while any(w.is_alive() for w in workers):
+            start = time.monotonic()
+            client.get("/livez")
+            probes.append(time.monotonic() - start)
+            time.sleep(0.02)
+    figure = p99(probes)
+    return dict(part="hostile inputs: /livez p99", requests=sum(outcomes.values()) + len(probes),
+                outcomes=dict(outcomes), figure=f"{figure * 1000:.0f} ms", target="< 200 ms", met=figure < 0.2)
+
+
+def capacity(url: str, seconds: float) -> float:
+    """Small classify requests one at a time: requests/s."""
+    path, body = request_for("classify", SMALL_DOC)
+    n, start = 0, time.monotonic()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while time.monotonic() - start < seconds:
+            client.post(path, json=body).raise_for_status()
+            n += 1
+    return n / (time.monotonic() - start)
+
+
+async def open_loop(url: str, rate: float, seconds: float, retry_429: bool = False,
+                    on_started=None, tasks_=("classify",)) -> dict:
+    """Small requests (the capacity one unless `tasks_` says) arriving every 1/rate s for `seconds`; a 429 with Retry-After R is retried
+    once after R and the wait compared with R."""
+    outcomes, admitted, retries = Counter(), [], []
+
+    async def one(client, i):
+        path, body = request_for(tasks_[i % len(tasks_)], SMALL_DOC)
+        start = time.monotonic()
+        try:
+            r = await client.post(path, json=body)
+        except httpx.ConnectError as e:
+            r = e
+        except httpx.TransportError:
+            r = None
+        outcomes[outcome(r)] += 1
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            admitted.append(time.monotonic() - start)
+        if retry_429 and isinstance(r, httpx.Response) and r.status_code == 429 and "retry-after" in r.headers:
+            wait = float(r.headers["retry-after"])
+            await asyncio.sleep(wait)
+            again = await client.post(path, json=body)
+            retries.append(dict(retry_after=wait, admitted=again.status_code == 200,
+                                observed=(time.monotonic() - start)))
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1000)) as client:
+        pending, start, i = [], time.monotonic(), 0
+        while time.monotonic() - start < seconds:
+            pending.append(asyncio.create_task(one(client, i)))
+            if on_started and i == int(rate):  # a second into the load
+                on_started()
+            i += 1
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+        await asyncio.gather(*pending)
+    return dict(outcomes=outcomes, admitted=admitted, retries=retries, sent=i,
+                sent_per_s=i / (time.monotonic() - start))
+
+
+def overload(url: str, seconds: float, capacity_seconds: float) -> list[dict]:
+    rate = capacity(url, capacity_seconds)
+    result = asyncio.run(open_loop(url, 4 * rate, seconds, retry_429=True))
+    rows = [dict(part=f"4x overload ({4 * rate:.1f}/s for {seconds:.0f} s): admitted p99",
+                 requests=result["sent"], outcomes=dict(result["outcomes"]),
+                 figure=f"{p99(result['admitted']):.2f} s (capacity {rate:.1f}/s, sent {result['sent_per_s']:.1f}/s)", target="bounded (reported)",
+                 met=bool(result["admitted"]) and p99(result["admitted"]) < 120)]
+    retried = result["retries"]
+    honest = [r for r in retried if r["admitted"]]
+    rows.append(dict(part="429 Retry-After: retry after R admitted", requests=len(retried),
+                     outcomes={"admitted": len(honest), "refused again": len(retried) - len(honest)},
+                     figure=f"{len(honest)}/{len(retried)}" if retried else "no 429",
+                     target="admitted after R (R within 2x of wait)", met=bool(retried) and len(honest) == len(retried)))
+    # One large summarize while small classify requests keep arriving at capacity.
+    big_path, big_body = request_for("summarize", "The report covers many topics. " * 600)
+    big_body["max_new_tokens"] = 64
+    box = {}
+
+    def large():
+        box["start"] = time.monotonic()
+        box["r"] = httpx.post(url + big_path, json=big_body, timeout=300)
+        box["end"] = time.monotonic()
+
+    thread = threading.Thread(target=large)
+    small = asyncio.run(open_loop(url, rate, seconds, on_started=thread.start))
+    thread.join()
+    served = small["outcomes"].get("200", 0)
+    rows.append(dict(part="small requests beside one large", requests=small["sent"] + 1,
+                     outcomes=dict(small["outcomes"] + Counter({f"large {outcome(box['r'])}": 1})),
+                     figure=f"{served} small 200s, large took {box['end'] - box['start']:.1f} s",
+                     target="small keep being served", met=served > 0))
+    return rows
+
+
+def soak(url: str, pid: int | None, n: int) -> dict:
+    """n mixed small requests, 4 at a time; server VmRSS after warm-up, after 100 and after n."""
+    rss = {"start": rss_mib(pid) if pid else float("nan")}
+    outcomes = Counter()
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            for start in range(0, n, 4):
+                batch = [request_for(("qa", "classify", "summarize")[i % 3], SMALL_DOC) for i in range(start, min(n, start + 4))]
+                rs = await asyncio.gather(*(client.post(path, json=body) for path, body in batch), return_exceptions=True)
+                for r in rs:
+                    outcomes[outcome(r if isinstance(r, httpx.Response) else None)] += 1
+                if start + 4 == 100 and pid:
+                    rss["100"] = rss_mib(pid)
+    asyncio.run(run())
+    rss[str(n)] = rss_mib(pid) if pid else float("nan")
+    growth = rss[str(n)] - rss.get("100", float("nan"))
+    return dict(part=f"{n}-request soak: RSS MiB", requests=n, outcomes=dict(outcomes),
+                figure=" / ".join(f"{k} {v:.0f}" for k, v in rss.items()), target="flat after warm-up (< 5% 100->end)",
+                met=bool(growth < 0.05 * rss.get("100", float("inf"))))
+
+
+def sigterm(threads: int, seconds: float, log_dir: Path) -> dict:
+    proc, url = start_server(threads, log_dir / "battery-sigterm.log")
+    rate = capacity(url, 3)
+    result = {}
+
+    def load():
+        result.update(asyncio.run(open_loop(url, 4 * rate, seconds)))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    time.sleep(seconds / 2)  # the load is running; SIGTERM lands in its middle
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    thread.join()
+    outcomes = result["outcomes"]
+    bad = {k: v for k, v in outcomes.items() if k not in ("200", "503 shutting_down", "connect refused")}
+    return dict(part="SIGTERM under 4x load", requests=result["sent"], outcomes=dict(outcomes),
+                figure=f"exit {code}, {sum(bad.values())} other answers", target="admitted: 200 or 503 shutting_down, exit 0",
+                met=code == 0 and not bad)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running server (default: start `longdoc serve` on models/)")
+    ap.add_argument("--threads", type=int, default=2, help="--threads of a started server (default 2)")
+    ap.add_argument("--hostile-seconds", type=float, default=20, help="duration of the hostile part (default 20)")
+    ap.add_argument("--capacity-seconds", type=float, default=10, help="capacity measurement (default 10)")
+    ap.add_argument("--overload-seconds", type=float, default=15, help="each open-loop load (default 15)")
+    ap.add_argument("--soak-requests", type=int, default=500, help="soak length (default 500)")
+    ap.add_argument("--sigterm-seconds", type=float, default=10, help="load around the SIGTERM (default 10)")
+    ap.add_argument("--json", default="battery.json", help="save the rows here (default battery.json)")
+    ap.add_argument("--log-dir", default=".", help="server logs go here (default .)")
+    args = ap.parse_args()
+    log_dir = Path(args.log_dir)
+
+    proc, url = (None, args.url) if args.url else start_server(args.threads, log_dir / "battery-serve.log")
+    try:
+        rows = [hostile(url, args.hostile_seconds), *overload(url, args.overload_seconds, args.capacity_seconds),
+                soak(url, proc.pid if proc else None, args.soak_requests)]
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait()
+    rows.append(sigterm(args.threads, args.sigterm_seconds, log_dir))
+    bad = sum(v for r in rows for k, v in r["outcomes"].items() if str(k).startswith("BAD") or " BAD" in str(k))
+    rows.insert(0, dict(part="plain-text or generic 5xx (all parts)", requests=sum(r["requests"] for r in rows),
+                        outcomes={}, figure=str(bad), target="0", met=bad == 0))
+
+    print("| part | requests | outcomes | figure | target | met |\n|---|---|---|---|---|---|")
+    for r in rows:
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(r["outcomes"].items()))
+        print(f"| {r['part']} | {r['requests']} | {counts} | {r['figure']} | {r['target']} | "
+              f"{'met' if r['met'] else 'NOT met'} |")
+    Path(args.json).write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                               loadavg=os.getloadavg(), rows=rows), indent=1))
+    return 0 if all(r["met"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,17 +29,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from slow_clients import rss_mib  # noqa: E402  (one VmRSS reader)
+import load  # noqa: E402
+from load import free_port, wait_ready  # noqa: E402  (one port picker, one start-up wait)
 
 SMALL_DOC = "The committee met on Tuesday and approved the budget for the new library. " * 4
 QUESTION = "When did the committee meet?"
 
 
 def request_for(task: str, document: str) -> tuple[str, dict]:
-    if task == "qa":
-        return "/v1/qa", {"question": QUESTION, "document": document}
-    if task == "classify":
-        return "/v1/classify", {"document": document}
-    return "/v1/summarize", {"document": document, "max_new_tokens": 16}
+    return load.request_for(task, document, question=QUESTION, max_new_tokens=16)
 
 
 def outcome(response: httpx.Response | None) -> str:
@@ -63,29 +61,13 @@ def p99(values) -> float:
     return float(np.percentile(values, 99)) if len(values) else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(threads: int, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     models = [f"--model={task}={ROOT / 'models' / task}" for task in ("qa", "classify", "summarize")]
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--threads",
                              str(threads), "--log-level", "warning", *models],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server did not become ready; see {log_path}")
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve (log: {log_path})")
 
 
 def hostile(url: str, seconds_each: float) -> dict:

@@ -42,7 +42,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from load import free_port, start_server  # noqa: E402  (bench/ is a folder of scripts)
+from load import free_port, start_server, wait_ready  # noqa: E402  (bench/ is a folder of scripts)
 from real_size import child, log, peak_rss_gib  # noqa: E402
 
 SYSTEMS = ("ours-int8", "ours-fp32", "hf-torch")
@@ -93,19 +93,7 @@ def start_hf(checkpoint: Path, threads: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench/hf_pipeline_app.py"), "--checkpoint", str(checkpoint),
                              "--port", str(port), "--threads", str(threads)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"hf_pipeline_app exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # polling a subprocess's start-up; not ordering within the program
-    proc.kill()
-    raise SystemExit("hf_pipeline_app did not become ready in 300 s")
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "hf_pipeline_app")
 
 
 def request(system: str, record: dict) -> tuple[str, dict, dict]:

@@ -60,27 +60,32 @@ def start_server(model_dir: str, batching: bool, threads: int | None, extra: lis
     if not batching:
         cmd.append("--no-batching")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", " ".join(cmd))
+
+
+def wait_ready(proc: subprocess.Popen, url: str, what: str, timeout_s: float = 300) -> str:
+    """`url` once the server process started as `proc` answers /readyz 200; SystemExit if it exits
+    or is not ready within `timeout_s` (the one start-up wait of the bench scripts)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+            raise SystemExit(f"{what} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return url
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.2)  # polling a subprocess's start-up; not ordering within the program
     proc.kill()
-    raise SystemExit("server did not become ready in 300 s")
+    raise SystemExit(f"{what} did not become ready in {timeout_s:g} s")
 
 
-def request_for(task: str, doc: str) -> tuple[str, dict]:
+def request_for(task: str, doc: str, question: str = QUESTION, max_new_tokens: int = 32) -> tuple[str, dict]:
     if task == "qa":
-        return "/v1/qa", {"question": QUESTION, "document": doc}
+        return "/v1/qa", {"question": question, "document": doc}
     if task == "classify":
         return "/v1/classify", {"document": doc}
-    return "/v1/summarize", {"document": doc, "max_new_tokens": 32}
+    return "/v1/summarize", {"document": doc, "max_new_tokens": max_new_tokens}
 
 
 async def sweep_point(url: str, task: str, docs: list[str], concurrency: int, n_requests: int,

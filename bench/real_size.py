@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -144,34 +142,20 @@ def phase_generate(model_dir: str, ckpt: str, tokens: int, new_tokens: int, thre
 
 # --- serving (parent) ----------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_time(name: str, model_dir: Path, task: str, threads: int, lengths=(1024, 4096)) -> dict:
     import httpx
 
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from load import free_port, wait_ready
     from tests.tiny_models import TINY_WORDS
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--model", f"{name}={model_dir}",
                              "--port", str(port), "--threads", str(threads)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"longdoc serve {model_dir} exited with {proc.returncode}")
-            time.sleep(1)  # polling a subprocess's start-up; not ordering within the program
+        url = wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve {model_dir}", timeout_s=900)
         result = {"rss_after_load_gib": peak_rss_gib(proc.pid)}
         words = [w for w in TINY_WORDS if w.isalpha()]
         for n in lengths:

@@ -279,11 +279,11 @@ class EncoderBatcher:
         self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
         self.metrics.input_tokens.labels(self.model, self.endpoint).inc(real)
         self.rate.observe(real, finished - started)
+        per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
         for i, s in enumerate(seqs):
             s.finished = finished
             if not s.future.done():
                 n = len(s.input_ids)
-                per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
                 s.future.set_result({k: v[i, :n] if k in per_token else v[i] for k, v in out.items()})
         self._idle.put_nowait(slot)
         self._wake.set()

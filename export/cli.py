@@ -36,6 +36,8 @@ def add_commands(subparsers) -> None:
     v.add_argument("--lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="comma-separated sequence lengths (default: min, threshold, non-multiples, max)")
     v.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
+    v.add_argument("--device", default="cpu", type=_device, metavar="cpu|cuda|cuda:N",
+                   help="where ONNX Runtime runs the export; cuda needs onnxruntime-gpu (default: cpu)")
     v.add_argument("--allow-other-checkpoint", action="store_true",
                    help="compare with a checkpoint whose weights' sha256 differs from the one the manifest "
                         "records (default: off, a different checkpoint is an error)")
@@ -55,6 +57,17 @@ def add_commands(subparsers) -> None:
         v.add_argument(flag, dest=name, type=type(default), default=default, metavar=metavar,
                        help=f"{what} (default: {default})")
     v.set_defaults(func=_verify)
+
+
+def _device(text: str) -> str:
+    """`--device cuda:1` checked by the runtime's own parser (an argparse type)."""
+    from longdoc.export.runtime import parse_device
+
+    try:
+        parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _lengths(text: str) -> list[int]:
@@ -94,8 +107,9 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         report = verify_model(args.output_dir, args.checkpoint, against=args.against, lengths=args.lengths,
                               threads=args.threads, progress=lambda msg: print(msg, flush=True),
-                              agreement=agreement, allow_other_checkpoint=args.allow_other_checkpoint)
-    except VerifyError as exc:
+                              agreement=agreement, allow_other_checkpoint=args.allow_other_checkpoint,
+                              device=args.device)
+    except (VerifyError, RuntimeError) as exc:  # RuntimeError: --device cuda without onnxruntime-gpu
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2
     print(report.summary())

@@ -9,7 +9,7 @@ it as graph inputs next to the token ids.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,18 @@ from longdoc.export.manifest import TOKENIZER_NAME, Manifest
 from longdoc.export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """"cpu" -> ("cpu", 0); "cuda" -> ("cuda", 0); "cuda:N" -> ("cuda", N)."""
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    return "cuda", int(index)
 
 
 def execution_providers(device: str, device_id: int = 0) -> list:
@@ -40,6 +52,10 @@ class EncoderState:
 
     cross: list[np.ndarray]  # per decoder layer: cross_key_l, cross_value_l, each (B, H, Se, D)
     encoder_mask: np.ndarray  # (B, Se) int64
+    # the same arrays as OrtValues on the model's device, uploaded by the first decoder step and bound
+    # by every later one (on a GPU the cross keys/values are most of a step's input: 268 MB per row of
+    # BigBird-Pegasus-large at 4096 tokens, fp16)
+    on_device: dict | None = field(default=None, repr=False, compare=False)
 
     def select(self, rows: np.ndarray) -> EncoderState:
         """The state for the given batch rows (beam search repeats rows)."""
@@ -79,6 +95,12 @@ class OnnxModel:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: graph {name!r} named in the manifest is missing")
             self.sessions[name] = ort.InferenceSession(str(path), options, providers=providers)
+            if device == "cuda" and "CUDAExecutionProvider" not in self.sessions[name].get_providers():
+                # ONNX Runtime falls back to the CPU when the CUDA provider's libraries do not load
+                # (it only logs): a "GPU" worker would serve at CPU speed without a word
+                raise RuntimeError(f"graph {name!r}: the CUDA execution provider did not load (CUDA or cuDNN "
+                                   f"libraries missing or not on the library path?); the session runs on "
+                                   f"{self.sessions[name].get_providers()}")
         self.encoder_inputs = {i.name for i in self.sessions["encoder"].get_inputs()}
         self.sparse = LAYOUT_INPUTS[0] in self.encoder_inputs
         self.float_type = np.float16 if self.manifest.dtype == "fp16" else np.float32
@@ -180,15 +202,27 @@ class OnnxModel:
     def decoder_step(self, state: EncoderState, input_ids, position_ids, self_mask, past):
         """One step for T new tokens per row. past: [key_0, value_0, key_1, ...] (B, H, P, D);
         self_mask (B, P+T) 1 = attend. Returns (logits (B, T, V) fp32, present)."""
+        import onnxruntime as ort
+
         L = self.manifest.decoder["num_layers"]
-        feed = {"input_ids": _as_2d_int64(input_ids, "input_ids"),
-                "position_ids": _as_2d_int64(position_ids, "position_ids"),
-                "self_mask": _as_2d_int64(self_mask, "self_mask"), "encoder_mask": state.encoder_mask}
-        for i in range(L):
-            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-            feed[f"cross_key_{i}"], feed[f"cross_value_{i}"] = state.cross[2 * i], state.cross[2 * i + 1]
-        names = ["logits"] + [f"present_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
-        outs = self.sessions["decoder"].run(names, feed)
+        kv = [f"{kind}_{i}" for i in range(L) for kind in ("key", "value")]  # past order: key_0, value_0, ...
+        if state.on_device is None:  # once per encoder state: the encoder outputs stay on the device
+            state.on_device = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device,
+                                                                       self.device_id)
+                               for name, value in zip([f"cross_{n}" for n in kv] + ["encoder_mask"],
+                                                      [*state.cross, state.encoder_mask])}
+        binding = self.sessions["decoder"].io_binding()
+        for name, value in state.on_device.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_cpu_input("input_ids", _as_2d_int64(input_ids, "input_ids"))
+        binding.bind_cpu_input("position_ids", _as_2d_int64(position_ids, "position_ids"))
+        binding.bind_cpu_input("self_mask", _as_2d_int64(self_mask, "self_mask"))
+        for name, value in zip(kv, past):  # the self-attention cache: a few MB, it follows beam reorders on the host
+            binding.bind_cpu_input(f"past_{name}", np.ascontiguousarray(value))
+        for name in ["logits"] + [f"present_{n}" for n in kv]:
+            binding.bind_output(name, "cpu")
+        self.sessions["decoder"].run_with_iobinding(binding)
+        outs = binding.copy_outputs_to_cpu()
         return outs[0], outs[1:]
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = 64, num_beams: int | None = None,

@@ -252,11 +252,14 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
 def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: list[int] | None = None,
                  progress: Callable[[str], None] = print, seed: int = 0, threads: int | None = None,
                  generation_lengths: int = 2, max_new_tokens: int = 8, agreement: Agreement = Agreement(),
-                 allow_other_checkpoint: bool = False) -> VerifyReport:
-    from longdoc.export.runtime import OnnxModel
+                 allow_other_checkpoint: bool = False, device: str = "cpu") -> VerifyReport:
+    """device: where ONNX Runtime runs the export ("cpu", "cuda", "cuda:N"); the PyTorch reference
+    runs on the CPU in fp32 either way."""
+    from longdoc.export.runtime import OnnxModel, parse_device
 
     model_dir, checkpoint_dir = Path(model_dir), Path(checkpoint_dir)
-    onnx_model = OnnxModel(model_dir, threads=threads)
+    kind, device_id = parse_device(device)
+    onnx_model = OnnxModel(model_dir, device=kind, threads=threads, device_id=device_id)
     m = onnx_model.manifest
     check_checkpoint(m, checkpoint_dir, allow_other_checkpoint)
     progress(f"loading the {against} reference from {checkpoint_dir}")

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from longdoc.export.runtime import parse_device
+
 
 # Default padded-token budget of one batch, per worker device (`max_batch_tokens` unset). On a
 # GPU a batch costs little more than one sequence until the device is full, so batches are big.
@@ -154,18 +156,6 @@ class Settings(BaseSettings):
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return CPU_MAX_BATCH_TOKENS if device == "cpu" else GPU_MAX_BATCH_TOKENS
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """"cpu" -> ("cpu", 0); "cuda" -> ("cuda", 0); "cuda:N" -> ("cuda", N)."""
-    if device == "cpu":
-        return "cpu", 0
-    if device == "cuda":
-        return "cuda", 0
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
-    return "cuda", int(index)
 
 
 def choose_default_models(given: dict[str, str], tasks: dict[str, str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from longdoc.export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
 from longdoc.model.search import SearchSettings, beam_search, greedy_search
-from longdoc.service.settings import parse_device
+from longdoc.export.runtime import parse_device
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
 

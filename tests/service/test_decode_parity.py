@@ -25,6 +25,7 @@ from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
 from longdoc.service.workers import CudaWorker, OnnxWorker
+from tests.fake_cuda import claim_cuda, on_cpu
 from tests.tiny_models import TINY_GENERATION, TINY_WORDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,13 +60,8 @@ def make_worker(request, monkeypatch):
     def make(directory) -> OnnxWorker:
         if request.param == "cpu":
             return OnnxWorker("sum", directory, "cpu", threads=1)
-        real = ort.InferenceSession
-        monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-        monkeypatch.setattr(ort, "InferenceSession", lambda path, options=None, providers=None, **kw: real(
-            path, options, providers=["CPUExecutionProvider"]))
-        worker = CudaWorker("sum", directory, "cuda", threads=1)
-        worker.encoder.device_type = worker.decoder.device_type = "cpu"
-        return worker
+        claim_cuda(ort, monkeypatch.setattr)
+        return on_cpu(CudaWorker("sum", directory, "cuda", threads=1))
 
     return make
 

@@ -2,12 +2,14 @@
 its device, and what `cuda:N` hands to ONNX Runtime (InferenceSession is monkeypatched to record
 its providers and then build the session on the CPU provider)."""
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
 from longdoc.export.runtime import OnnxModel, execution_providers
 from longdoc.service.settings import CPU_MAX_BATCH_TOKENS, GPU_MAX_BATCH_TOKENS, Settings
-from longdoc.service.settings import parse_device
+from longdoc.export.runtime import parse_device
+from tests.fake_cuda import claim_cuda
 from longdoc.service.workers import CudaWorker, OnnxWorker, onnx_worker_factory
 
 
@@ -72,15 +74,7 @@ def test_execution_providers():
 def recorded_sessions(monkeypatch):
     """InferenceSession records its providers, then runs on CPU; CUDA claims to be available."""
     calls = []
-    real = ort.InferenceSession
-
-    def fake_session(path, options=None, providers=None, **kwargs):
-        calls.append((path, providers))
-        return real(path, options, providers=["CPUExecutionProvider"])
-
-    monkeypatch.setattr(ort, "InferenceSession", fake_session)
-    monkeypatch.setattr(ort, "get_available_providers",
-                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    claim_cuda(ort, monkeypatch.setattr, record=calls)
     return calls
 
 
@@ -109,3 +103,33 @@ def test_cuda_worker_decodes_through_io_binding_on_its_gpu(recorded_sessions, ti
     assert (w.decoder.device_type, w.decoder.device_id) == ("cuda", 1)
     assert all(p == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
                for _, p in recorded_sessions)
+
+
+def test_a_cuda_provider_that_does_not_load_is_an_error(monkeypatch, tiny_qa_dir):
+    """ONNX Runtime lists CUDA, but the session falls back to the CPU (its CUDA libraries did not
+    load, which ONNX Runtime only logs): a GPU worker must not serve at CPU speed without a word."""
+    real = ort.InferenceSession
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(ort, "InferenceSession", lambda path, options=None, providers=None, **kw: real(
+        path, options, providers=["CPUExecutionProvider"]))
+    with pytest.raises(RuntimeError, match="CUDA execution provider did not load"):
+        OnnxModel(tiny_qa_dir, device="cuda", threads=1)
+    with pytest.raises(RuntimeError, match="CUDA execution provider did not load"):
+        CudaWorker("qa", tiny_qa_dir, "cuda", threads=1)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_the_search_uploads_the_encoder_state_once(recorded_sessions, monkeypatch, tiny_summarize_dir, num_beams):
+    """On a GPU the cross-attention keys/values are most of a decoder step's input (268 MB per row
+    for BigBird-Pegasus-large at 4096 tokens): OnnxModel.generate, the one search (also the service's
+    beam path), uploads them once per request, not at every step, and still decodes the same tokens."""
+    want = OnnxModel(tiny_summarize_dir, threads=1).generate(np.arange(7, 47)[None], max_new_tokens=6, num_beams=num_beams)
+    model = OnnxModel(tiny_summarize_dir, device="cuda", threads=1)
+    model.device = "cpu"  # the device copies go to the CPU: no GPU here
+    uploads = []
+    real = ort.OrtValue.ortvalue_from_numpy
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", lambda a, *args: uploads.append(a.shape) or real(a, *args))
+    got = model.generate(np.arange(7, 47)[None], max_new_tokens=6, num_beams=num_beams)
+    assert got == want and len(got[0]) > 3
+    L = model.manifest.decoder["num_layers"]
+    assert len(uploads) == 2 * L + 1  # cross key and value per layer, the encoder mask: once

@@ -29,6 +29,7 @@ from longdoc.model.search import resolve_settings
 from longdoc.service.workers import (CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker,
                                      onnx_worker_factory)
 from longdoc.service.settings import Settings
+from tests.fake_cuda import claim_cuda, on_cpu
 
 qa_dir, sum_dir = sys.argv[1], sys.argv[2]
 ids = np.arange(7, 47, dtype=np.int64)[None]  # (1, 40)
@@ -57,16 +58,12 @@ got_logits = summarize_step(cpu_sum, IoBindingDecoder(cpu_sum.model, "cpu").step
 np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
 
 # the CUDA worker: ONNX Runtime claims CUDA, sessions run on CPU, I/O binding on the CPU provider
-real_session = ort.InferenceSession
-ort.get_available_providers = lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
-ort.InferenceSession = lambda path, options=None, providers=None, **kw: real_session(
-    path, options, providers=["CPUExecutionProvider"])
+claim_cuda(ort)
 for name, directory in (("qa", qa_dir), ("sum", sum_dir)):
     w = onnx_worker_factory(name, directory, "cuda:0", Settings(threads=1))
     assert isinstance(w, CudaWorker)
-    w.encoder.device_type = "cpu"
+    on_cpu(w)
     if w.decoder is not None:
-        w.decoder.device_type = "cpu"
         np.testing.assert_allclose(summarize_step(w, w.step), want_logits, rtol=1e-4, atol=1e-4)
     else:
         got = w.run(batch)

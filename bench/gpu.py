@@ -1,0 +1,341 @@
+"""The GPU path, measured (issue 16, item 3). A script, not a test: it needs a CUDA GPU with
+onnxruntime-gpu, torch and transformers (the dev machines have none; `--tiny --device cpu` runs
+every phase on small shapes to check the script itself).
+
+Random-init weights (transformers, seed 0) at transformers' default configurations:
+
+    make      BigBirdConfig() QA checkpoint -> `export --dtype fp16`
+    verify    `longdoc verify --device cuda --against transformers` of that export at 4096 tokens
+    ours      the service's encoder path (CudaWorker's IoBindingEncoder, layout tables kept on the
+              GPU) at 4096 tokens, batch 1/8/32: latency, docs/s, model FLOP utilization
+    hf        transformers BigBirdForQuestionAnswering fp16 on the same GPU (block-sparse, eval), same
+              shapes; and the GPU's measured fp16 MatMul peak (torch, 8192^3)
+    service   a real `longdoc serve --device cuda` on the fp16 export, 32 closed-loop clients sending
+              4096-token QA documents: throughput and p50/p99, beside the offline batched rate (ours)
+    pegasus   BigBirdPegasusConfig() (bigbird-pegasus-large shape) -> fp16 export; time per generated
+              token at 4096 encoder tokens, greedy and beam 5: the one search (OnnxModel.generate) on
+              the CUDA provider, the service's greedy step path (CudaWorker: KV cache on the GPU), and
+              transformers fp16 generate() on the same GPU
+
+Each phase runs in its own process (one CUDA context each). Progress goes to stderr, the table to
+stdout, every number to --out/gpu.json.
+
+    python3 bench/gpu.py --work /tmp/gpu --out /tmp/gpu-out                    # on the GPU machine
+    .venv/bin/python bench/gpu.py --tiny --device cpu --work /tmp/gpu-tiny --out /tmp/gpu-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+PHASES = ("make", "verify", "ours", "hf", "service", "pegasus")
+H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def child(phase: str, **kwargs) -> dict:
+    """One phase in a fresh process; its JSON result."""
+    cmd = [sys.executable, __file__, "--phase", phase, "--args", json.dumps(kwargs)]
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        return {"error": f"phase {phase} failed (exit {out.returncode}); see its output above"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def configs(tiny: bool) -> dict:
+    if not tiny:
+        return {"qa": {}, "summarize": {}, "length": 4096, "batches": [1, 8, 32], "new_tokens": 32}
+    from tests.tiny_models import tiny_config
+
+    return {"qa": tiny_config("qa"), "summarize": tiny_config("summarize"), "length": 512, "batches": [1, 2],
+            "new_tokens": 8}
+
+
+def qa_batch(B: int, S: int, seed: int = 0):
+    """B rows of [CLS] question [SEP] document [SEP] of exactly S tokens (ids of the tiny tokenizer)."""
+    import numpy as np
+
+    from tests.tiny_models import CLS, SEP
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(10, 400, (B, S)).astype(np.int64)
+    ids[:, 0], ids[:, 9], ids[:, -1] = CLS, SEP, SEP
+    types = np.zeros_like(ids)
+    types[:, 10:] = 1
+    return ids, np.ones_like(ids), types
+
+
+def time_it(run, reps: int) -> float:
+    """Median seconds of `reps` runs after two warm-ups (run() returns when the result is on the host)."""
+    run(), run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# --- phases (child processes) ------------------------------------------------------------------
+
+def phase_make(work: str, task: str, tiny: bool) -> dict:
+    import torch
+    import transformers
+
+    from longdoc.export.exporter import export_model
+    from tests.tiny_models import tiny_tokenizer
+
+    ckpt, out = Path(work) / f"ckpt-{task}", Path(work) / f"fp16-{task}"
+    torch.manual_seed(0)
+    config = configs(tiny)[task]
+    if task == "summarize":
+        model = transformers.BigBirdPegasusForConditionalGeneration(transformers.BigBirdPegasusConfig(**config))
+    else:
+        model = transformers.BigBirdForQuestionAnswering(transformers.BigBirdConfig(**config))
+    model.eval().save_pretrained(ckpt, safe_serialization=True)
+    tiny_tokenizer().save(str(ckpt / "tokenizer.json"))  # ids < vocab: enough for random weights
+    start = time.perf_counter()
+    export_model(ckpt, out, task, dtype="fp16", progress=lambda m: log(f"  export: {m}"), overwrite=True)
+    return {"params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+            "export_s": time.perf_counter() - start}
+
+
+def phase_verify(work: str, device: str, tiny: bool) -> dict:
+    from longdoc.export.verify import verify_model
+
+    S = configs(tiny)["length"]
+    report = verify_model(Path(work) / "fp16-qa", Path(work) / "ckpt-qa", against="transformers", lengths=[S],
+                          device=device, progress=lambda m: log(f"  verify: {m}"))
+    diffs = [c.max_abs_diff for c in report.checks if c.max_abs_diff is not None]
+    return {"ok": report.ok, "checks": len(report.checks), "passed": sum(c.ok for c in report.checks),
+            "max_abs_diff": max(diffs) if diffs else None}
+
+
+def phase_ours(work: str, device: str, tiny: bool) -> dict:
+    from bench_export import model_flops
+    from longdoc.export.runtime import OnnxModel, parse_device
+    from longdoc.service.workers import EncoderBatch, IoBindingEncoder
+
+    c = configs(tiny)
+    kind, device_id = parse_device(device)
+    model = OnnxModel(Path(work) / "fp16-qa", device=kind, device_id=device_id)
+    encoder = IoBindingEncoder(model, kind, device_id)
+    S, result = c["length"], {}
+    for B in c["batches"]:
+        batch = EncoderBatch(*qa_batch(B, S))
+        seconds = time_it(lambda: encoder.run(batch), reps=20 if B == 1 else 8)
+        result[B] = {"latency_ms": seconds * 1000, "docs_per_s": B / seconds,
+                     "tflops": model_flops(S, full=False) * B / seconds / 1e12}
+        log(f"  ours fp16 batch {B}: {seconds * 1000:.1f} ms, {B / seconds:.1f} docs/s, "
+            f"{result[B]['tflops']:.1f} TFLOP/s")
+    return result
+
+
+def phase_hf(work: str, device: str, tiny: bool) -> dict:
+    import torch
+    import transformers
+
+    from bench_export import model_flops
+
+    c = configs(tiny)
+    cuda = device.startswith("cuda")
+    dev = torch.device(device)
+    dtype = torch.float16 if cuda else torch.float32  # the CPU smoke run: fp16 BigBird is not a CPU path
+    model = transformers.BigBirdForQuestionAnswering.from_pretrained(str(Path(work) / "ckpt-qa"), dtype=dtype)
+    model = model.to(dev).eval()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    S, result = c["length"], {}
+    for B in c["batches"]:
+        ids, mask, types = (torch.from_numpy(a).to(dev) for a in qa_batch(B, S))
+
+        def run():
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+            sync()
+
+        seconds = time_it(run, reps=20 if B == 1 else 8)
+        result[B] = {"latency_ms": seconds * 1000, "docs_per_s": B / seconds,
+                     "tflops": model_flops(S, full=False) * B / seconds / 1e12}
+        log(f"  transformers {dtype} batch {B}: {seconds * 1000:.1f} ms, {B / seconds:.1f} docs/s")
+    if cuda:  # the measured ceiling: a large fp16 MatMul
+        n = 8192
+        a, b = (torch.randn(n, n, device=dev, dtype=torch.float16) for _ in range(2))
+        seconds = time_it(lambda: (a @ b, sync()), reps=20)
+        result["matmul_peak_tflops"] = 2 * n**3 / seconds / 1e12
+        result["gpu"] = torch.cuda.get_device_name(dev)
+        log(f"  fp16 MatMul {n}^3: {result['matmul_peak_tflops']:.0f} TFLOP/s on {result['gpu']}")
+    return result
+
+
+def phase_service(work: str, device: str, tiny: bool, clients: int, requests: int) -> dict:
+    import load
+    import tokenizers
+
+    c = configs(tiny)
+    model_dir = str(Path(work) / "fp16-qa")
+    tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    docs = [load.make_document(tok, c["length"] - 16, seed) for seed in range(8)]
+    budget = c["length"] * max(c["batches"])
+    proc, url = load.start_server(model_dir, batching=True, threads=None,
+                                  extra=["--device", device, "--max-batch-tokens", str(budget)])
+    try:
+        asyncio.run(load.sweep_point(url, "qa", docs, clients, clients * 2, 600))  # warm-up: every batch size
+        point = asyncio.run(load.sweep_point(url, "qa", docs, clients, requests, 600))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    log(f"  service, {clients} clients: {point['throughput_rps']:.1f} docs/s, p50 {point['p50_ms']:.0f} ms, "
+        f"p99 {point['p99_ms']:.0f} ms ({point['ok']}/{point['requests']} ok)")
+    return point
+
+
+def phase_pegasus(work: str, device: str, tiny: bool) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    from longdoc.export.runtime import OnnxModel, parse_device
+    from longdoc.service.workers import CudaWorker, OnnxWorker
+
+    c = configs(tiny)
+    kind, device_id = parse_device(device)
+    S, N = c["length"], c["new_tokens"]
+    ids = np.random.default_rng(0).integers(10, 400, (1, S)).astype(np.int64)
+    mask = np.ones_like(ids)
+    model_dir, ckpt = Path(work) / "fp16-summarize", Path(work) / "ckpt-summarize"
+    ours = OnnxModel(model_dir, device=kind, device_id=device_id)
+    worker = (CudaWorker if kind == "cuda" else OnnxWorker)("pegasus", model_dir, device)
+    start_token = worker.info.special_tokens["decoder_start"]
+    cuda = kind == "cuda"
+    dtype = torch.float16 if cuda else torch.float32
+    theirs = transformers.BigBirdPegasusForConditionalGeneration.from_pretrained(str(ckpt), dtype=dtype)
+    theirs = theirs.to(torch.device(device)).eval()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def run(name: str, beams: int, n: int) -> tuple[float, int]:
+        start = time.perf_counter()
+        if name == "ours":
+            made = len(ours.generate(ids, mask, max_new_tokens=n, num_beams=beams, min_length=n + 1,
+                                     early_stopping=False)[0])
+        elif name == "service-step":  # the batcher's greedy path: begin, then one step per token
+            states, tokens = worker.begin([ids[0].tolist()]), [start_token]
+            for _ in range(n):
+                tokens = [int(worker.step(states, tokens)[0].argmax())]
+            worker.decoder.release() if cuda else None
+            made = n
+        else:
+            t = {k: torch.from_numpy(v).to(theirs.device) for k, v in (("input_ids", ids), ("attention_mask", mask))}
+            with torch.no_grad():
+                made = theirs.generate(**t, max_new_tokens=n, min_new_tokens=n, num_beams=beams,
+                                       do_sample=False).shape[1]
+            sync()
+        return time.perf_counter() - start, made
+
+    result = {}
+    for name, beams in (("ours", 1), ("service-step", 1), ("transformers", 1), ("ours", 5), ("transformers", 5)):
+        run(name, beams, N)  # warm-up: sessions, layouts, allocator
+        (t1, m1), (tn, mn) = (min(run(name, beams, n) for _ in range(3)) for n in (1, N))
+        per_token = (tn - t1) / max(mn - m1, 1)
+        result[f"{name}_beam{beams}_ms_per_token"] = per_token * 1000
+        result[f"{name}_beam{beams}_first_ms"] = t1 * 1000
+        log(f"  generate {name} beams {beams}: {per_token * 1000:.2f} ms/token, first token {t1 * 1000:.0f} ms "
+            f"({mn} vs {m1} tokens)")
+    return result
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def table(r: dict) -> str:
+    lines = []
+    peak = r.get("hf", {}).get("matmul_peak_tflops")
+    c = r["config"]
+    if "ours" in r and "hf" in r:
+        lines += [f"BigBird-base QA, fp16, {c['length']} tokens ({r['hf'].get('gpu', 'cpu')}; measured fp16 MatMul "
+                  f"peak {peak or float('nan'):.0f} TFLOP/s, datasheet {H200_FP16_DENSE_TFLOPS:.0f})",
+                  "| batch | ours ms | ours docs/s | ours TFLOP/s (% measured peak) | transformers ms | "
+                  "transformers docs/s | speed-up |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for B in c["batches"]:
+            o, h = r["ours"].get(str(B)), r["hf"].get(str(B))
+            if o and h:
+                share = f" ({100 * o['tflops'] / peak:.0f}%)" if peak else ""
+                lines.append(f"| {B} | {o['latency_ms']:.1f} | {o['docs_per_s']:.1f} | {o['tflops']:.1f}{share} | "
+                             f"{h['latency_ms']:.1f} | {h['docs_per_s']:.1f} | {h['latency_ms'] / o['latency_ms']:.2f}x |")
+    if "service" in r and "ours" in r and "throughput_rps" in r["service"]:
+        s, best = r["service"], max(v["docs_per_s"] for v in r["ours"].values())
+        lines.append(f"\nservice, {s['concurrency']} clients: {s['throughput_rps']:.1f} docs/s "
+                     f"({100 * s['throughput_rps'] / best:.0f}% of the offline best {best:.1f}), p50 "
+                     f"{s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, {s['ok']}/{s['requests']} ok")
+    if "verify" in r:
+        v = r["verify"]
+        lines.append(f"\nverify --device {r['device']}: {v.get('passed')}/{v.get('checks')} checks, "
+                     f"max|diff| {v.get('max_abs_diff')}, ok={v.get('ok')}")
+    if "pegasus" in r and "error" not in r["pegasus"]:
+        p = r["pegasus"]
+        lines += [f"\nBigBird-Pegasus-large fp16, {c['length']} encoder tokens: ms per generated token",
+                  "| search | ours (OnnxModel.generate) | service greedy step (KV on device) | transformers |",
+                  "|---|---:|---:|---:|"]
+        for beams in (1, 5):
+            step = p.get(f"service-step_beam{beams}_ms_per_token")
+            lines.append(f"| {'greedy' if beams == 1 else 'beam 5'} | {p[f'ours_beam{beams}_ms_per_token']:.2f} | "
+                         f"{'-' if step is None else f'{step:.2f}'} | {p[f'transformers_beam{beams}_ms_per_token']:.2f} |")
+    for name, value in r.items():
+        if isinstance(value, dict) and "error" in value:
+            lines.append(f"\n{name}: {value['error']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=Path("/tmp/longdoc-gpu"),
+                   help="checkpoints and exports go here (default: /tmp/longdoc-gpu)")
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu.json and gpu.md (default: none)")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for the --tiny smoke run (default: cuda)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, 512 tokens (default: off, real sizes)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated (default: {','.join(PHASES)})")
+    p.add_argument("--clients", type=int, default=32, help="concurrent clients of the service phase (default: 32)")
+    p.add_argument("--requests", type=int, default=256, help="requests of the service phase (default: 256)")
+    p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--args", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.phase:
+        print(json.dumps(globals()[f"phase_{a.phase}"](**json.loads(a.args))))
+        return 0
+    a.work.mkdir(parents=True, exist_ok=True)
+    common = {"work": str(a.work), "tiny": a.tiny}
+    results = {"device": a.device, "config": {k: v for k, v in configs(a.tiny).items() if k in ("length", "batches",
+                                                                                                "new_tokens")}}
+    for phase in a.phases.split(","):
+        log(f"phase {phase}")
+        start = time.perf_counter()
+        if phase == "make":
+            results["make"] = {t: child("make", task=t, **common) for t in ("qa", "summarize")}
+        elif phase == "service":
+            results[phase] = child(phase, device=a.device, clients=a.clients, requests=a.requests, **common)
+        else:
+            results[phase] = child(phase, device=a.device, **common)
+        log(f"phase {phase} done in {time.perf_counter() - start:.0f} s")
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "gpu.json").write_text(json.dumps(results, indent=1))
+    report = table(results)
+    print(report)
+    if a.out:
+        (a.out / "gpu.md").write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,8 @@ Random-init weights (transformers, seed 0) at transformers' default configuratio
               token at 4096 encoder tokens, greedy and beam 5: the one search (OnnxModel.generate) on
               the CUDA provider, the service's greedy step path (CudaWorker: KV cache on the GPU), and
               transformers fp16 generate() on the same GPU
+    summarize a real `longdoc serve --device cuda` on the Pegasus-large fp16 export: 8 clients asking
+              for 32-token greedy summaries of 4096-token documents, then beam-4 requests
 
 Each phase runs in its own process (one CUDA context each). Progress goes to stderr, the table to
 stdout, every number to --out/gpu.json.
@@ -38,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-PHASES = ("make", "verify", "ours", "hf", "service", "pegasus")
+PHASES = ("make", "verify", "ours", "hf", "service", "pegasus", "summarize")
 H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
 
 
@@ -256,6 +258,34 @@ def phase_pegasus(work: str, device: str, tiny: bool) -> dict:
     return result
 
 
+def phase_summarize(work: str, device: str, tiny: bool) -> dict:
+    import httpx
+    import load
+    import tokenizers
+
+    c = configs(tiny)
+    model_dir = str(Path(work) / "fp16-summarize")
+    tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    docs = [load.make_document(tok, c["length"] - 1, seed) for seed in range(8)]
+    proc, url = load.start_server(model_dir, batching=True, threads=None, extra=["--device", device])
+    try:
+        asyncio.run(load.sweep_point(url, "summarize", docs, 8, 8, 600))  # warm-up
+        greedy = asyncio.run(load.sweep_point(url, "summarize", docs, 8, 64, 600))
+        beams = []
+        for doc in docs[:4]:
+            start = time.perf_counter()
+            r = httpx.post(url + "/v1/summarize", json={"document": doc, "max_new_tokens": c["new_tokens"],
+                                                        "num_beams": 4}, timeout=600)
+            beams.append({"status": r.status_code, "seconds": time.perf_counter() - start})
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    log(f"  summarize greedy, 8 clients: {greedy['throughput_rps']:.1f} req/s, p50 {greedy['p50_ms']:.0f} ms, "
+        f"p99 {greedy['p99_ms']:.0f} ms ({greedy['ok']}/{greedy['requests']} ok); beam 4: "
+        f"{[b['status'] for b in beams]}, median {statistics.median(b['seconds'] for b in beams) * 1000:.0f} ms")
+    return {"greedy": greedy, "beam4": beams}
+
+
 # --- report ------------------------------------------------------------------------------------
 
 def table(r: dict) -> str:
@@ -291,6 +321,12 @@ def table(r: dict) -> str:
             step = p.get(f"service-step_beam{beams}_ms_per_token")
             lines.append(f"| {'greedy' if beams == 1 else 'beam 5'} | {p[f'ours_beam{beams}_ms_per_token']:.2f} | "
                          f"{'-' if step is None else f'{step:.2f}'} | {p[f'transformers_beam{beams}_ms_per_token']:.2f} |")
+    if "summarize" in r and "greedy" in r["summarize"]:
+        g, b = r["summarize"]["greedy"], r["summarize"]["beam4"]
+        lines.append(f"\nservice, Pegasus-large summarize ({c['new_tokens']} new tokens): greedy, 8 clients "
+                     f"{g['throughput_rps']:.2f} req/s, p50 {g['p50_ms']:.0f} ms, p99 {g['p99_ms']:.0f} ms, "
+                     f"{g['ok']}/{g['requests']} ok; beam 4 one at a time: median "
+                     f"{statistics.median(x['seconds'] for x in b) * 1000:.0f} ms, statuses {[x['status'] for x in b]}")
     for name, value in r.items():
         if isinstance(value, dict) and "error" in value:
             lines.append(f"\n{name}: {value['error']}")

@@ -1,0 +1,72 @@
+"""On a real GPU: fp16 exports on ONNX Runtime's CUDA execution provider pass `verify` (the fp16
+criteria: max |diff| <= 1e-2 and the same spans, labels and greedy/beam tokens as the PyTorch
+reference), and the service's CUDA worker (I/O-binding encoder, KV cache on the GPU) answers as
+the CPU worker does. Skipped where ONNX Runtime has no CUDA provider (CI, the development
+machines); bench/gpu.py's docstring says how these ran on an H200."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from longdoc.export.runtime import OnnxModel
+from longdoc.export.verify import verify_model
+from longdoc.service.workers import CudaWorker, EncoderBatch, OnnxWorker
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_export
+
+pytestmark = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                                reason="needs onnxruntime-gpu and a GPU")
+
+
+@pytest.fixture(scope="module")
+def fp16(tmp_path_factory):
+    """task -> (fp16 export, its checkpoint, the fp32 export of the same checkpoint)."""
+    out = {}
+    for task in ("qa", "classify", "summarize"):
+        root = tmp_path_factory.mktemp(f"gpu-{task}")
+        ckpt = make_tiny_checkpoint(root / "checkpoint", task)
+        out[task] = (make_tiny_export(root / "fp16", task, "fp16", ckpt), ckpt,
+                     make_tiny_export(root / "fp32", task, "fp32", ckpt))
+    return out
+
+
+@pytest.mark.parametrize("task", ["qa", "classify", "summarize"])
+def test_fp16_export_passes_verify_on_cuda(fp16, task):
+    model_dir, ckpt, _ = fp16[task]
+    report = verify_model(model_dir, ckpt, device="cuda", progress=lambda _m: None)
+    assert report.ok, report.summary()
+    assert OnnxModel(model_dir, device="cuda").sessions["encoder"].get_providers()[0] == "CUDAExecutionProvider"
+
+
+def test_cuda_worker_encoder_matches_the_cpu_worker(fp16):
+    gpu_dir, _, cpu_dir = fp16["qa"]
+    gpu, cpu = CudaWorker("qa", gpu_dir, "cuda"), OnnxWorker("qa", cpu_dir, "cpu", threads=1)
+    rng = np.random.default_rng(0)
+    for S in (40, 200, 512):  # full attention, block-sparse, the maximum
+        ids = rng.integers(10, 400, (3, S))
+        mask = np.ones_like(ids)
+        mask[1, S // 2 :] = 0  # a padded row
+        batch = EncoderBatch(ids, mask, np.zeros_like(ids))
+        got, want = gpu.run(batch), cpu.run(batch)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-2, rtol=0)
+
+
+def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16):
+    """Greedy steps with the KV cache on the GPU, sequences joining mid-way (cache copied back and
+    re-uploaded), against the CPU worker's host-side cache."""
+    gpu_dir, _, cpu_dir = fp16["summarize"]
+    gpu, cpu = CudaWorker("sum", gpu_dir, "cuda"), OnnxWorker("sum", cpu_dir, "cpu", threads=1)
+    start = gpu.info.special_tokens["decoder_start"]
+    docs = [list(range(7, 307)), list(range(20, 120))]
+    g_states, c_states = gpu.begin(docs[:1]), cpu.begin(docs[:1])
+    tokens = [start]
+    for step in range(6):
+        if step == 3:  # a second sequence joins
+            g_states += gpu.begin(docs[1:])
+            c_states += cpu.begin(docs[1:])
+            tokens.append(start)
+        got, want = gpu.step(g_states, tokens), cpu.step(c_states, tokens)
+        np.testing.assert_allclose(got, want, atol=1e-2, rtol=0)
+        tokens = [int(t) for t in want.argmax(axis=-1)]

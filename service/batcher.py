@@ -17,7 +17,7 @@ workers. While a model has no worker up, its queued and new requests get 503 at 
 `Retry-After` of the next restart attempt, rather than waiting out their deadline.
 
 Admission (`QueueBudget`, service/batching.py) charges a request's whole token cost before
-accepting it; `Retry-After` on 429 is the time for the excess to drain at the measured rate.
+accepting it; `Retry-After` on 429 is the time for the queue and the request to drain at the measured rate.
 """
 
 from __future__ import annotations
@@ -137,8 +137,11 @@ class SequenceResult:
 
 
 def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: int) -> None:
-    """Raise 413 for a request that can never be admitted, 429 (Retry-After: the time for the
-    excess to drain) for one that cannot be admitted yet."""
+    """Raise 413 for a request that can never be admitted, 429 for one that cannot be admitted yet,
+    with Retry-After = the time for the queue and this request to drain at the measured rate: the
+    wait a request admitted now would have. (The time for only the excess to drain, tried first,
+    said 1 s under a 4x overload whose admitted requests waited 32 s: the freed room went to the
+    requests arriving meanwhile, and a client retrying after 1 s was refused again.)"""
     if cost > budget.max_request_tokens:
         raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
                        f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
@@ -147,7 +150,7 @@ def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: i
     if excess:
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
                          f"(limit {budget.max_tokens}, small requests {budget.reserve} of them)",
-                         rate.retry_after(excess))
+                         rate.retry_after(queued + cost))
 
 
 def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:

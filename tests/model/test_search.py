@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 import pytest
 
 from longdoc.model.search import GenerationStopped, SearchSettings, beam_search, greedy_search, resolve_settings
@@ -133,3 +135,21 @@ def test_one_row_at_a_time_with_its_own_settings_equals_greedy_search():
         assert greedy_search(next_logits, 1, s)[0].tolist() == row, s
     assert len({len(r) for r in rows}) >= 3  # the settings made a difference
     assert rows[2][-1] == EOS and len(rows[2]) == 7  # forced at the last position
+
+
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(0, 2000), st.integers(2, 6), st.integers(0, 10**6))
+def test_topk_is_the_head_of_a_stable_descending_sort(rows, k, m, levels, seed):
+    """The partial top-k (a partition, then a sort of the entries at or above the k-th value) picks
+    exactly what a full stable sort does, ties in index order included (few distinct values: many
+    ties at the k-th), with -inf and NaN among them."""
+    from longdoc.model.search import topk
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, levels, (rows, k + m)).astype(np.float32)
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    if seed % 7 == 0:
+        x[0, rng.integers(0, x.shape[1])] = np.nan
+    want_idx = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    values, idx = topk(x, k)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_array_equal(values, np.take_along_axis(x, want_idx, axis=-1))

@@ -5,6 +5,7 @@ architecture or shape gets a clear message instead of an error from inside a gra
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from longdoc.export.exporter import export_model
@@ -115,3 +116,18 @@ def test_cli_thresholds_reach_verify(int8_exports):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "need >= 0%" in out.stdout
+
+
+def test_fp16_criteria_allow_ties_at_fp16_precision_only():
+    """fp16 (on a GPU computed as fp16) may pick another argmax when the reference scores it within
+    twice the tolerance of its best; a clearly worse pick still fails. The tolerance is relative:
+    logits of magnitude 16 are rounded in steps of 0.008 in fp16."""
+    from longdoc.export.verify import _same_or_tie, _scaled
+
+    want = np.array([[5.000, 4.995, 1.0], [3.0, 2.0, 1.0]], np.float32)
+    got = np.array([[4.990, 4.999, 1.0], [2.5, 2.6, 1.0]], np.float32)  # row 0: near-tie; row 1: wrong
+    tol = _scaled(1e-2, want, "fp16")
+    assert tol == pytest.approx(5e-2)  # 1e-2 x max|reference| 5
+    assert _same_or_tie(got, want, 2 * tol).tolist() == [True, False]
+    assert _same_or_tie(got, want, 0.0).tolist() == [False, False]  # fp32: exact agreement only
+    assert _scaled(1e-4, want, "fp32") == 1e-4 and _scaled(1e-2, want / 10, "fp16") == 1e-2

@@ -330,9 +330,10 @@ class CudaWorker(OnnxWorker):
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
     hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Greedy decoder
-    steps of a summarizer go through `IoBindingDecoder` (the KV cache stays on the GPU). Not run
-    here: the development machine has no GPU (both I/O-binding paths are tested on CPU). `cuda:N` runs on GPU
-    N (the CUDA provider's `device_id` option; `cuda` is GPU 0)."""
+    steps of a summarizer go through `IoBindingDecoder` (the KV cache stays on the GPU). Both
+    I/O-binding paths are tested on CPU (tests/fake_cuda.py) and on a real GPU where there is one
+    (tests/service/test_gpu.py; run on an H200: docs/gpu.md). `cuda:N` runs on GPU N (the CUDA
+    provider's `device_id` option; `cuda` is GPU 0)."""
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
                  max_batch_tokens: int = 16384):

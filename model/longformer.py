@@ -312,7 +312,7 @@ def question_global_mask(input_ids, sep_token_id: int) -> torch.Tensor:
     has_sep = input_ids.eq(sep_token_id).any(dim=1)
     if not bool(has_sep.all()):
         raise ValueError(
-            f"QA input without sep_token_id {sep_token_id} in row(s) {torch.flatnonzero(~has_sep).tolist()}: "
+            f"QA input without sep_token_id {sep_token_id} in row(s) {torch.nonzero(~has_sep).flatten().tolist()}: "
             "pass global_attention_mask (the question's tokens) explicitly"
         )
     first_sep = torch.argmax(input_ids.eq(sep_token_id).int(), dim=-1)  # (B,)
@@ -363,15 +363,17 @@ class LongformerForSequenceClassification(_Head):
 
 
 class LongformerLMHead(nn.Module):
-    """dense -> GELU (erf) -> layer_norm -> decoder (weight tied to the word embeddings unless
-    the config says not; its bias *is* `lm_head.bias`, as in transformers)."""
+    """dense -> GELU (erf) -> layer_norm -> decoder. With `tie_word_embeddings` (the default)
+    `LongformerForMaskedLM` ties the decoder's weight to the word embeddings and its bias to
+    `lm_head.bias` (one parameter, two names); without it, as in transformers 5, both are
+    parameters of their own and the decoder's bias is the one used."""
 
     def __init__(self, config: LongformerConfig):
         super().__init__()
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.bias = self.decoder.bias  # one parameter, two names (both appear in state_dict)
 
     def forward(self, x):
         return self.decoder(self.layer_norm(F.gelu(self.dense(x))))  # (B, S, vocab)
@@ -384,9 +386,9 @@ class LongformerForMaskedLM(_Head):
         self.longformer = LongformerModel(config, add_pooling_layer=False)
         self.lm_head = LongformerLMHead(config)
         self.lm_head.apply(lambda m: init_weights(m, config.initializer_range))
-        nn.init.zeros_(self.lm_head.bias)
         if config.tie_word_embeddings:
             self.lm_head.decoder.weight = self.longformer.embeddings.word_embeddings.weight
+            self.lm_head.decoder.bias = self.lm_head.bias
 
     def forward(self, input_ids, attention_mask=None, global_attention_mask=None, token_type_ids=None,
                 labels=None) -> MaskedLMOutput:

@@ -63,6 +63,10 @@ class LayoutTensors(NamedTuple):
     row_source: torch.Tensor  # (nb,) long: where each output block comes from in cat([sparse (nb), global (G)])
     band: int = 0  # Layout.band: > 0 keeps only keys at most `band` tokens from the query in sparse rows
 
+    def to(self, device) -> LayoutTensors:
+        """The same layout with its tensors on `device`."""
+        return LayoutTensors(*(t.to(device) for t in self[:5]), band=self.band)
+
 
 class GlobalTokens(NamedTuple):
     """Per-request global tokens (Longformer): G = the largest count in the batch."""

@@ -261,3 +261,23 @@ def test_forward_does_not_change_the_model(hf_longformer):
         ours(random_batch(1, 10)[0])
         after = ours(ids, attention_mask=mask).logits
     assert torch.equal(before, after)
+
+
+def test_gradients_match_transformers(hf_longformer):
+    """Training sees transformers' gradients (every dropout 0), global projections included."""
+    directory, ref = hf_longformer("LongformerForSequenceClassification", num_labels=3)
+    ours = load_pretrained(directory).train()
+    ref.train()
+    ids, mask = random_batch(2, 90, seed=5, pad_tail=(0, 20))
+    gmask = global_mask(2, 90, [[0, 30], [0]])
+    labels = torch.tensor([2, 1])
+    ref(input_ids=ids, attention_mask=mask, global_attention_mask=gmask, labels=labels).loss.backward()
+    ours(ids, attention_mask=mask, global_attention_mask=gmask, labels=labels).loss.backward()
+    theirs = dict(ref.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        if p.grad is None:
+            continue
+        torch.testing.assert_close(p.grad, theirs[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+        checked += 1
+    assert checked == len(theirs) and ours.longformer.encoder.layer[0].attention.self.query_global.weight.grad.abs().max() > 0

@@ -80,8 +80,50 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # config
 
 
+class HFConfig:
+    """`config.json` <-> dataclass for the model configs (BigBird, Longformer): the dataclass
+    fields are the keys that change the computation, every other key is kept in `extra` and
+    written back unchanged, so a round trip loses nothing. Subclasses set `model_type`."""
+
+    model_type: str  # class attribute, not a field
+    id2label: dict[int, str] | None
+    extra: dict[str, Any]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label) if self.id2label else 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        d = dict(d)
+        model_type = d.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"model_type {model_type!r} is not {cls.model_type!r}")
+        names = {f.name for f in fields(cls)} - {"extra"}
+        known = {k: d.pop(k) for k in list(d) if k in names}
+        num_labels = d.pop("num_labels", None)
+        d.pop("label2id", None)  # derived from id2label
+        if known.get("id2label") is None and num_labels is not None:
+            known["id2label"] = {i: f"LABEL_{i}" for i in range(int(num_labels))}
+        return cls(**known, extra=d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `config.json` content transformers reads (model_type included)."""
+        d = dict(self.extra)
+        for f in fields(self):
+            if f.name != "extra":
+                d[f.name] = getattr(self, f.name)
+        d["model_type"] = self.model_type
+        if self.id2label is not None:
+            d["id2label"] = {str(k): v for k, v in self.id2label.items()}
+            d["label2id"] = {v: k for k, v in self.id2label.items()}
+        if d["architectures"] is None:
+            del d["architectures"]
+        return d
+
+
 @dataclass
-class BigBirdConfig:
+class BigBirdConfig(HFConfig):
     """The fields of a Hugging Face BigBird `config.json` that change the computation.
 
     Every other key of the file is kept in `extra` and written back unchanged by `to_dict`.
@@ -139,40 +181,8 @@ class BigBirdConfig:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
 
     @property
-    def num_labels(self) -> int:
-        return len(self.id2label) if self.id2label else 2
-
-    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BigBirdConfig:
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"model_type {model_type!r} is not {cls.model_type!r}")
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: d.pop(k) for k in list(d) if k in names}
-        num_labels = d.pop("num_labels", None)
-        d.pop("label2id", None)  # derived from id2label
-        if known.get("id2label") is None and num_labels is not None:
-            known["id2label"] = {i: f"LABEL_{i}" for i in range(int(num_labels))}
-        return cls(**known, extra=d)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The `config.json` content transformers reads (model_type included)."""
-        d = dict(self.extra)
-        for f in fields(self):
-            if f.name != "extra":
-                d[f.name] = getattr(self, f.name)
-        d["model_type"] = self.model_type
-        if self.id2label is not None:
-            d["id2label"] = {str(k): v for k, v in self.id2label.items()}
-            d["label2id"] = {v: k for k, v in self.id2label.items()}
-        if d["architectures"] is None:
-            del d["architectures"]
-        return d
 
 
 def attention_spec_for(config: BigBirdConfig, plan: str = "hf-train") -> AttentionSpec:
@@ -360,6 +370,8 @@ class BigBirdModel(nn.Module):
     the padding from the outputs.
     """
 
+    base_model_prefix = "bert"  # the encoder's key prefix inside a task checkpoint
+
     def __init__(self, config: BigBirdConfig, plan: str = "hf-train", add_pooling_layer: bool = True):
         super().__init__()
         self.config = config
@@ -504,6 +516,20 @@ def question_mask(input_ids, question_lengths, sep_token_id: int):
     return (torch.arange(S, device=input_ids.device)[None, :] < question_lengths).long()  # (B, S)
 
 
+def span_loss(start_logits, end_logits, start_positions, end_positions) -> torch.Tensor | None:
+    """transformers' extractive-QA loss: mean of the start and end cross-entropies; positions
+    outside the input are ignored. None without both position tensors."""
+    if start_positions is None or end_positions is None:
+        return None
+    ignored = start_logits.shape[1]
+    start_positions = start_positions.reshape(-1).clamp(0, ignored)
+    end_positions = end_positions.reshape(-1).clamp(0, ignored)
+    return (
+        F.cross_entropy(start_logits, start_positions, ignore_index=ignored)
+        + F.cross_entropy(end_logits, end_positions, ignore_index=ignored)
+    ) / 2
+
+
 class BigBirdForQuestionAnswering(_Head):
     """Extractive QA. Question tokens (all but [CLS]) get start/end logits lowered by 1e6 so they
     never win; token types default to 0 on the question and 1 on the context."""
@@ -536,16 +562,7 @@ class BigBirdForQuestionAnswering(_Head):
             token_type_ids = 1 - qmask
         out = self.bert(input_ids, attention_mask, token_type_ids)
         start_logits, end_logits = self._logits(out.last_hidden_state, qmask)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            # positions outside the input are ignored, as in transformers
-            ignored = start_logits.shape[1]
-            start_positions = start_positions.reshape(-1).clamp(0, ignored)
-            end_positions = end_positions.reshape(-1).clamp(0, ignored)
-            loss = (
-                F.cross_entropy(start_logits, start_positions, ignore_index=ignored)
-                + F.cross_entropy(end_logits, end_positions, ignore_index=ignored)
-            ) / 2
+        loss = span_loss(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringOutput(
             loss=loss, start_logits=start_logits, end_logits=end_logits, pooler_output=out.pooler_output
         )
@@ -567,18 +584,38 @@ class BigBirdForQuestionAnswering(_Head):
 class BigBirdClassificationHead(nn.Module):
     """[CLS] -> dropout -> dense -> activation -> dropout -> out_proj."""
 
-    def __init__(self, config: BigBirdConfig):
+    def __init__(self, config: BigBirdConfig, activation: str | None = None):
         super().__init__()
-        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        p = getattr(config, "classifier_dropout", None)
+        p = p if p is not None else config.hidden_dropout_prob
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(p)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[activation or config.hidden_act]  # Longformer's head: always tanh
 
     def forward(self, hidden):
         x = self.dropout(hidden[:, 0])  # (B, H), the first token
         x = self.dropout(self.act(self.dense(x)))
         return self.out_proj(x)  # (B, num_labels)
+
+
+def sequence_classification_loss(logits, labels, config) -> torch.Tensor:
+    """transformers' loss for `config.problem_type` (inferred as transformers does when unset,
+    without writing it back to the config)."""
+    n = config.num_labels
+    problem = config.problem_type
+    if problem is None:
+        if n == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype)) if n == 1 else F.mse_loss(logits, labels)
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
 
 class BigBirdForSequenceClassification(_Head):
@@ -592,24 +629,8 @@ class BigBirdForSequenceClassification(_Head):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None) -> SequenceClassifierOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids)
         logits = self.classifier(out.last_hidden_state)
-        loss = None if labels is None else self.loss(logits, labels)
+        loss = None if labels is None else sequence_classification_loss(logits, labels, self.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def loss(self, logits, labels):
-        n = self.config.num_labels
-        problem = self.config.problem_type
-        if problem is None:  # transformers' inference rule (without writing it back to the config)
-            if n == 1:
-                problem = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
-        if problem == "regression":
-            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype)) if n == 1 else F.mse_loss(logits, labels)
-        if problem == "single_label_classification":
-            return F.cross_entropy(logits.view(-1, n), labels.view(-1))
-        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
     def forward_blocks(self, input_ids, attention_mask, token_type_ids, key_blocks, valid, global_index, row_source):
         """Export entry point. Returns (logits,) of shape (B, num_labels)."""

@@ -9,7 +9,7 @@ the file holds but the model does not use, or a shape that differs is an error (
 that lists them all. The only tolerated differences are named here: tied aliases (one tensor
 under several names; a checkpoint needs only one of them), non-persistent buffers older files
 still carry (`position_ids`), the next-sentence head of `BigBirdForPreTraining` checkpoints
-(loaded as `BigBirdForMaskedLM`), the unused pooler of QA checkpoints, and whatever a model class
+(loaded as `BigBirdForMaskedLM`), the unused pooler of QA checkpoints (and of Longformer's heads), and whatever a model class
 lists in `OPTIONAL_KEYS` / `IGNORED_KEYS`.
 
 A `.bin` is read with `torch.load(weights_only=True)`, which refuses any pickle that would
@@ -50,6 +50,17 @@ SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
         },
         "BigBirdModel",
     ),
+    "longformer": (
+        "longdoc.model.longformer",
+        "LongformerConfig",
+        {
+            "LongformerModel": "LongformerModel",
+            "LongformerForQuestionAnswering": "LongformerForQuestionAnswering",
+            "LongformerForSequenceClassification": "LongformerForSequenceClassification",
+            "LongformerForMaskedLM": "LongformerForMaskedLM",
+        },
+        "LongformerModel",
+    ),
     "bigbird_pegasus": (
         "longdoc.model.pegasus",
         "BigBirdPegasusConfig",
@@ -63,6 +74,10 @@ IGNORED_ALWAYS = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)embed_positions\.p
 IGNORED_BY_ARCHITECTURE = {
     "BigBirdForPreTraining": (r"^cls\.seq_relationship\.",),
     "BigBirdForQuestionAnswering": (r"^bert\.pooler\.",),  # QA has no pooler; some files carry one
+    # transformers' Longformer heads have no pooler (add_pooling_layer=False); a file may carry one
+    "LongformerForQuestionAnswering": (r"^longformer\.pooler\.",),
+    "LongformerForSequenceClassification": (r"^longformer\.pooler\.",),
+    "LongformerForMaskedLM": (r"^longformer\.pooler\.",),
 }
 
 
@@ -98,15 +113,13 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
     except (TypeError, ValueError) as e:
         raise LoadError(f"{d / CONFIG_NAME}: invalid {cfg_cls.__name__}: {e}") from None
     state = read_state_dict(d)
-    if (
-        cls.__name__ == "BigBirdModel"
-        and any(k.startswith("bert.") for k in state)
-        and not any(_is_encoder_key(k) for k in state)
-    ):
+    prefix = getattr(cls, "base_model_prefix", None)  # set on the bare encoders: "bert.", "longformer."
+    if prefix and any(k.startswith(prefix + ".") for k in state) and not any(_is_encoder_key(k) for k in state):
         # the bare encoder out of a task checkpoint: keep the encoder, drop the head by name
-        state = {k[len("bert.") :]: v for k, v in state.items() if k.startswith("bert.")}
-    if cls.__name__ == "BigBirdModel" and "pooler.weight" not in state:
-        module = cls(config, plan=plan, add_pooling_layer=False)  # e.g. the encoder of a QA checkpoint
+        state = {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    if prefix and not any(k.startswith("pooler.") for k in state):
+        # e.g. the encoder of a QA checkpoint
+        module = _construct(cls, config, plan, add_pooling_layer=False)
     else:
         module = _construct(cls, config, plan)
     ignored = IGNORED_ALWAYS + IGNORED_BY_ARCHITECTURE.get(arch, ()) + tuple(getattr(cls, "IGNORED_KEYS", ()))
@@ -154,14 +167,14 @@ def resolve_class(cfg: dict, architecture: str | None = None):
     return getattr(mod, archs[architecture]), getattr(mod, cfg_name), architecture
 
 
-def _construct(cls, config, plan: str) -> nn.Module:
+def _construct(cls, config, plan: str, **kwargs) -> nn.Module:
     params = inspect.signature(cls).parameters
     if "plan" in params:
-        return cls(config, plan=plan)
+        return cls(config, plan=plan, **kwargs)
     if "attention_spec" in params:  # longdoc.model.pegasus: the spec is built by its module
         spec_for = getattr(importlib.import_module(cls.__module__), "attention_spec_from_config")
-        return cls(config, attention_spec=spec_for(config, plan))
-    return cls(config)
+        return cls(config, attention_spec=spec_for(config, plan), **kwargs)
+    return cls(config, **kwargs)  # longdoc.model.longformer: no random blocks, no plan
 
 
 def read_state_dict(d: Path) -> dict[str, torch.Tensor]:

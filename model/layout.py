@@ -27,7 +27,13 @@ Patterns (``AttentionSpec.pattern``), all bidirectional:
   blocks get the window and random blocks drawn among the non-global blocks. The last block is
   not global. Only the ``seeded`` plan exists (transformers does not implement ETC).
 - ``longformer``: sliding window + the blocks in ``global_blocks`` (negative = from the end) as
-  global rows and columns; no random blocks.
+  global rows and columns; no random blocks. With ``band`` = w > 0 the window is per token, as
+  in Longformer (Beltagy et al. 2020, Sec. 3.1): inside its window blocks a query attends only to
+  keys at most w tokens away (``block_size`` = w and ``window_blocks`` = 3 hold exactly that
+  band). Longformer's global tokens are chosen per request, not per layout: they are given to the
+  attention as ``longdoc.model.attention.GlobalTokens`` (extra key slots every row sees, and rows
+  of their own that attend everywhere); ``longformer_attention_specs`` gives a transformers
+  Longformer config's per-layer specs.
 - ``strided`` / ``fixed``: Child et al.'s patterns in the bidirectional block form of Yun et al.
   (shared/papers/sparse-transformers-universal-approximability.md, Eqs. 4-5), with blocks in
   place of tokens and ``stride`` in blocks:
@@ -100,6 +106,7 @@ class AttentionSpec:
     summary_blocks: int = 1  # fixed: the last c blocks of every segment
     head_config: str = "union"  # strided / fixed: "union" | "sequential" | "multihead"
     num_global_tokens: int = 0  # bigbird_etc: g extra global tokens prepended
+    band: int = 0  # longformer: keys at most `band` tokens from the query (0 = whole key blocks)
 
     def __post_init__(self):
         if self.pattern not in PATTERNS:
@@ -116,6 +123,13 @@ class AttentionSpec:
             raise ValueError("num_random_blocks and num_global_blocks must be >= 0")
         if self.stride < 1 or self.summary_blocks < 1:
             raise ValueError("stride and summary_blocks must be >= 1")
+        if self.band < 0 or (self.band and self.pattern != "longformer"):
+            raise ValueError(f"band must be >= 0 and is a longformer option; got {self.band} for {self.pattern!r}")
+        if self.band > (self.window_blocks // 2) * self.block_size:
+            raise ValueError(
+                f"band {self.band} reaches beyond the window blocks ({self.window_blocks // 2} x {self.block_size} "
+                "tokens each side)"
+            )
         if self.pattern == "bigbird_etc" and self.num_global_tokens < 1:
             raise ValueError("bigbird_etc needs num_global_tokens >= 1")
         # JSON round trips give lists; keep the spec hashable (layouts are cached by spec)
@@ -148,11 +162,29 @@ def checkpoint_attention_spec(config, plan: str = "hf-train") -> AttentionSpec:
                          max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
 
 
+def longformer_attention_specs(config) -> tuple[AttentionSpec, ...]:
+    """One spec per layer for a Hugging Face Longformer ``config.json`` mapping: the sliding window
+    of ``attention_window`` tokens (w = attention_window / 2 each side, per layer when a list) as
+    3 blocks of w tokens under a band of w tokens; no global blocks (Longformer's global tokens
+    come with each request)."""
+    layers = int(config["num_hidden_layers"])
+    windows = config["attention_window"]
+    windows = [windows] * layers if isinstance(windows, int) else list(windows)
+    if len(windows) != layers:
+        raise ValueError(f"attention_window has {len(windows)} entries for {layers} layers")
+    for w in windows:
+        if not isinstance(w, int) or w <= 0 or w % 2:
+            raise ValueError(f"every attention_window must be a positive even int, got {windows}")
+    return tuple(AttentionSpec(pattern="longformer", block_size=w // 2, window_blocks=3, global_blocks=(), band=w // 2)
+                 for w in windows)
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     key_blocks: np.ndarray  # (H, nb, K) int64
     valid: np.ndarray  # (H, nb, K) bool
     global_rows: np.ndarray  # (nb,) bool
+    band: int = 0  # > 0: inside its key blocks a (non-global) query sees keys at most `band` tokens away
 
     @property
     def num_heads(self) -> int:
@@ -200,7 +232,8 @@ def _build_layout(spec: AttentionSpec, n_blocks: int, num_heads: int, layer: int
             a.setflags(write=False)
         return built
     rows, global_rows, *width = built
-    return _pack(rows, global_rows, n_blocks, *width)
+    layout = _pack(rows, global_rows, n_blocks, *width)
+    return dataclasses.replace(layout, band=spec.band) if spec.band else layout
 
 
 # ----------------------------------------------------------------------------------------------

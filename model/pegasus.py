@@ -484,7 +484,7 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
         pad = plan.padded_len - L
         ids = F.pad(input_ids, (0, pad), value=cfg.pad_token_id if cfg.pad_token_id is not None else 0)
         mask = F.pad(attention_mask.to(torch.long), (0, pad), value=0)
-        layouts = [type(lay)(*(t.to(input_ids.device) for t in lay)) for lay in self.layouts_for(plan.padded_len)]
+        layouts = [lay.to(input_ids.device) for lay in self.layouts_for(plan.padded_len)]
         h = self.model.encoder(ids, mask, layouts)  # (B, padded_len, C)
         return EncoderOutput(last_hidden_state=h[:, :L])
 

@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longdoc.model.attention import MASK_PENALTY, LayoutTensors, block_sparse_attention, dense_reference_attention, layout_tensors
+from longdoc.model.attention import (
+    MASK_PENALTY,
+    LayoutTensors,
+    block_sparse_attention,
+    dense_reference_attention,
+    global_tokens,
+    layout_tensors,
+)
 from longdoc.model.layout import PATTERNS, AttentionSpec, build_layout
 
 torch.set_num_threads(1)
@@ -48,6 +55,83 @@ def test_sparse_equals_dense_reference(pattern, plan, n_blocks, block_size, num_
     ref = dense_reference_attention(q, k, v, lt, key_mask)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert (out.transpose(1, 2)[key_mask == 0] == 0).all()  # padded query positions are zero
+
+
+def _longformer_case(n_blocks, w, num_heads, batch, global_rows_of, pad, seed, global_blocks=()):
+    """Longformer-style inputs: window blocks of w tokens under a band of w, per-row global tokens."""
+    spec = AttentionSpec("longformer", w, window_blocks=3, global_blocks=global_blocks, band=w)
+    lt = layout_tensors(build_layout(spec, n_blocks, num_heads, 0))
+    S, D = n_blocks * w, 4
+    q, k, v = _qkv(batch, num_heads, S, D, seed)
+    key_mask = torch.ones(batch, S)
+    gmask = torch.zeros(batch, S, dtype=torch.long)
+    for b in range(batch):
+        key_mask[b, S - min(pad[b], S - 1) :] = 0
+        gmask[b, [p % S for p in global_rows_of[b]]] = 1
+    return lt, q, k, v, key_mask, global_tokens(gmask, key_mask)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_blocks=st.integers(1, 9),
+    w=st.sampled_from([1, 2, 3, 4]),
+    num_heads=st.integers(1, 3),
+    batch=st.integers(1, 3),
+    globals_=st.lists(st.lists(st.integers(0, 40), max_size=4), min_size=3, max_size=3),
+    pad=st.lists(st.integers(0, 12), min_size=3, max_size=3),
+    global_blocks=st.sampled_from([(), (0,), (-1,)]),
+    own_projections=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_band_and_global_tokens_sparse_equals_dense_reference(n_blocks, w, num_heads, batch, globals_, pad, global_blocks, own_projections, seed):
+    lt, q, k, v, key_mask, gt = _longformer_case(n_blocks, w, num_heads, batch, globals_, pad, seed, global_blocks)
+    qkv = None
+    if gt is not None and own_projections:  # Longformer's query_global / key_global / value_global
+        qg, kg, vg = _qkv(*q.shape, seed + 1)
+        qkv = (torch.gather(qg, 2, gt.index.view(batch, 1, -1, 1).expand(-1, num_heads, -1, q.shape[-1])), kg, vg)
+    out = block_sparse_attention(q, k, v, lt, key_mask, global_tokens=gt, global_qkv=qkv)
+    ref = dense_reference_attention(q, k, v, lt, key_mask, global_tokens=gt, global_qkv=qkv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (out.transpose(1, 2)[key_mask == 0] == 0).all()
+
+
+def test_band_and_global_tokens_change_the_answer():
+    """The band, the global key slots and the global rows each matter (the oracle can fail)."""
+    lt, q, k, v, key_mask, gt = _longformer_case(8, 4, 2, 2, [[0, 13], [30]], [0, 5], 1)
+    out = block_sparse_attention(q, k, v, lt, key_mask, global_tokens=gt)
+    whole_blocks = block_sparse_attention(q, k, v, lt._replace(band=0), key_mask, global_tokens=gt)
+    assert (out - whole_blocks).abs().max() > 1e-2
+    no_globals = block_sparse_attention(q, k, v, lt, key_mask)
+    far = out[0, :, 24:28]  # block 6 of row 0: no global token in its window
+    assert (far - no_globals[0, :, 24:28]).abs().max() > 1e-2
+    torch.testing.assert_close(out, dense_reference_attention(q, k, v, lt, key_mask, global_tokens=gt), atol=1e-5, rtol=1e-5)
+    # a global token's row attends to every real key: the full softmax row
+    s = torch.einsum("hd,hsd->hs", q[0, :, 13], k[0]) / 2.0  # (H, S), D = 4, no padding in row 0
+    torch.testing.assert_close(out[0, :, 13], torch.einsum("hs,hsd->hd", s.softmax(-1), v[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_global_tokens_gradients_match_dense_reference():
+    lt, *_, key_mask, gt = _longformer_case(6, 2, 2, 2, [[0, 5], [11]], [0, 3], 0)
+    grads = []
+    for attention in (block_sparse_attention, dense_reference_attention):
+        q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 12, 4, 9))
+        (attention(q, k, v, lt, key_mask, global_tokens=gt) ** 2).sum().backward()
+        grads.append([q.grad, k.grad, v.grad])
+    for sparse_grad, dense_grad in zip(*grads):
+        torch.testing.assert_close(sparse_grad, dense_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_no_global_tokens_is_none():
+    key_mask = torch.ones(2, 8)
+    key_mask[1, 4:] = 0
+    assert global_tokens(torch.zeros(2, 8), key_mask) is None
+    gmask = torch.zeros(2, 8)
+    gmask[1, 6] = 1  # a padded position is never global
+    assert global_tokens(gmask, key_mask) is None
+    gmask[0, [1, 5]] = 1
+    gt = global_tokens(gmask, key_mask)
+    assert gt.index[0].tolist() == [1, 5] and gt.valid.tolist() == [[True, True], [False, False]]
+    assert gt.slot[0, 5].item() == 1 and not gt.is_global[1].any()
 
 
 def test_duplicates_count_with_multiplicity():
@@ -209,6 +293,15 @@ def test_half_precision_stays_finite():
         assert out.dtype == dtype and torch.isfinite(out).all()
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
         ref = dense_reference_attention(*(t.detach().float() for t in (q, k, v)), lt, key_mask)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_half_precision_with_global_tokens_stays_finite():
+    lt, q, k, v, key_mask, gt = _longformer_case(6, 4, 2, 2, [[0, 9], []], [0, 7], 2)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = block_sparse_attention(q.to(dtype), k.to(dtype), v.to(dtype), lt, key_mask, global_tokens=gt)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        ref = dense_reference_attention(q, k, v, lt, key_mask, global_tokens=gt)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 

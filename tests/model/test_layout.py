@@ -207,3 +207,25 @@ def test_every_non_global_row_holds_its_window_and_the_globals(case, n_blocks, n
             row = set(_rows(layout, h, i))
             window_set = set(range(max(0, i - window // 2), min(n_blocks, i + window // 2 + 1)))
             assert window_set <= row and set(g.tolist()) <= row
+
+
+def test_longformer_specs_per_layer():
+    from longdoc.model.layout import longformer_attention_specs
+
+    specs = longformer_attention_specs({"num_hidden_layers": 3, "attention_window": [16, 512, 16]})
+    assert [(s.block_size, s.band, s.window_blocks, s.global_blocks) for s in specs] == [(8, 8, 3, ()), (256, 256, 3, ()), (8, 8, 3, ())]
+    assert specs[0] == specs[2] and len(longformer_attention_specs({"num_hidden_layers": 2, "attention_window": 32})) == 2
+    for bad in ([16], [16, 15], [16, 0]):
+        with pytest.raises(ValueError, match="attention_window"):
+            longformer_attention_specs({"num_hidden_layers": 2, "attention_window": bad})
+    layout = build_layout(specs[0], 5, 2, 0)
+    assert layout.band == 8 and not layout.global_rows.any()
+    assert _rows(layout, 1, 0) == [0, 1] and _rows(layout, 1, 2) == [1, 2, 3]
+
+
+def test_band_is_checked():
+    with pytest.raises(ValueError, match="longformer"):
+        AttentionSpec("bigbird", 8, band=4)
+    with pytest.raises(ValueError, match="beyond the window"):
+        AttentionSpec("longformer", 8, window_blocks=3, band=9)
+    assert AttentionSpec.from_dict(AttentionSpec("longformer", 8, band=8).to_dict()).band == 8

@@ -1,4 +1,4 @@
-"""Greedy and beam search over the PyTorch BigBird-Pegasus, token-for-token identical to
+"""Greedy and beam search over the PyTorch BigBird-Pegasus and LED, token-for-token identical to
 transformers' `generate(do_sample=False)`.
 
 The search itself is model/search.py (NumPy, shared with export/generation.py over ONNX Runtime);
@@ -93,6 +93,9 @@ class _CachedDecoder:
 
     def next_logits(self, sequences: torch.Tensor) -> torch.Tensor:
         N, cur_len = sequences.shape
+        if cur_len > self.model.max_decoder_positions:  # the embedding lookup would fail inside
+            raise ValueError(f"decoder position {cur_len - 1} is beyond the decoder's position table "
+                             f"({self.model.max_decoder_positions}); ask for fewer new tokens")
         tokens = sequences[:, -1:]  # (N, 1): earlier tokens are in the cache
         position_ids = torch.full((N, 1), cur_len - 1, dtype=torch.long, device=sequences.device)
         self_mask = torch.ones((N, cur_len), dtype=torch.long, device=sequences.device)
@@ -111,6 +114,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              min_length: int | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
              forced_eos_token_id: int | list[int] | None = None,
+             global_attention_mask: torch.Tensor | None = None,
              should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """Summarise `input_ids` (B, L) with greedy (num_beams 1) or beam search.
 
@@ -118,6 +122,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     (num_beams 1, length_penalty 1.0, no_repeat_ngram_size 0, early_stopping False, min_length 0,
     max_length 20 in total). max_new_tokens counts generated tokens after decoder_start.
     attention_mask defaults to `input_ids != pad` when pad occurs in the input (transformers' rule).
+    global_attention_mask (B, L): the encoder's global tokens (LED; passed to `model.encode`).
     should_stop: see longdoc.model.search (raises GenerationStopped between decoder steps).
     Returns a LongTensor (B, T) starting with decoder_start_token_id.
     """
@@ -134,7 +139,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             attention_mask = (input_ids != pad).long()
     B = input_ids.shape[0]
     search.check_stop(should_stop)
-    enc = model.encode(input_ids, attention_mask).last_hidden_state  # (B, L, C)
+    encoder_inputs = {} if global_attention_mask is None else {"global_attention_mask": global_attention_mask}
+    enc = model.encode(input_ids, attention_mask, **encoder_inputs).last_hidden_state  # (B, L, C)
     nb = settings.num_beams
     if nb > 1:  # every beam of a row sees that row's encoder output
         enc = enc.repeat_interleave(nb, dim=0)  # (B*nb, L, C)

@@ -11,11 +11,14 @@ Architecture (what the checkpoints hold):
   `layernorm_embedding` after the last layer of each stack (the name is historical).
 - Learned absolute position embeddings (`embed_positions`, one per stack) added to the token
   embeddings, which are multiplied by sqrt(d_model) when `scale_embedding`.
-- One token embedding table `model.shared`, used by the encoder, the decoder and (tied) the LM head.
-  `state_dict()` holds the same keys as transformers' module, tied aliases included
-  (`model.encoder.embed_tokens.weight`, `model.decoder.embed_tokens.weight`, `lm_head.weight`);
-  `TIED_WEIGHTS` says which keys are aliases, so a checkpoint that stores only `model.shared.weight`
-  (what transformers writes) loads, and `final_logits_bias` may be absent (`OPTIONAL_KEYS`).
+- With `tie_word_embeddings` (the checkpoints' setting) one token embedding table `model.shared`, used
+  by the encoder, the decoder and the LM head; without, four tables (shared, encoder's, decoder's,
+  lm_head), as transformers 5 builds them. `state_dict()` holds the same keys as transformers'
+  module, tied aliases included (`model.encoder.embed_tokens.weight`, ...); `tied_weights()` says
+  which keys are aliases, so a checkpoint that stores only `model.shared.weight` (what transformers
+  writes) loads, and `final_logits_bias` may be absent (`OPTIONAL_KEYS`).
+- `Seq2SeqLM` (the decoder stack's owner: decoder step, forward, generate) is shared with LED
+  (`longdoc.model.led`), whose decoder is this one with post-LN layers.
 - Encoder self-attention is block-sparse (BigBird, paper App. D) via `longdoc.model.attention` with a
   layout table from `longdoc.model.layout`, or full attention for short inputs; which one is decided by
   `longdoc.model.lengths.plan_length` before `forward`, never by changing the config.
@@ -135,14 +138,19 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    """Full multi-head attention; self-attention (with a KV cache) or cross-attention."""
+    """Full multi-head attention; self-attention (with a KV cache) or cross-attention.
 
-    def __init__(self, d_model: int, n_heads: int, bias: bool, attention_dropout: float):
+    scale_queries: multiply q by head_dim**-0.5 before q @ k^T (BART / LED, as transformers'
+    `LEDDecoderAttention`) instead of the scores after it (Pegasus' eager attention). The two agree
+    exactly for power-of-two scales (head_dim 64) and to an ulp otherwise."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool, attention_dropout: float, scale_queries: bool = False):
         super().__init__()
         assert d_model % n_heads == 0
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.attention_dropout = attention_dropout
+        self.scale_queries = scale_queries
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -157,8 +165,13 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         # x: (B, T, C); k, v: (B, H, S, D); allowed: (B, 1 | T, S) bool, True = may attend
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, T, S)
+        scale = self.head_dim**-0.5
+        if self.scale_queries:
+            q = (self.q_proj(x) * scale).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+            scores = q @ k.transpose(-1, -2)  # (B, H, T, S)
+        else:
+            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+            scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
         scores = scores.masked_fill(~allowed[:, None], _mask_value(scores.dtype))
         probs = F.dropout(F.softmax(scores, dim=-1), self.attention_dropout, self.training)
         y = (probs @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
@@ -166,12 +179,16 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: BigBirdPegasusConfig):
+    """pre_norm: LayerNorm -> sublayer -> residual (Pegasus); else sublayer -> residual -> LayerNorm
+    (BART / LED, which also scale the queries first: `DecoderAttention.scale_queries`)."""
+
+    def __init__(self, cfg: BigBirdPegasusConfig, pre_norm: bool = True):
         super().__init__()
         C, H = cfg.d_model, cfg.decoder_attention_heads
-        self.self_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout)
+        self.pre_norm = pre_norm
+        self.self_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout, scale_queries=not pre_norm)
         self.self_attn_layer_norm = nn.LayerNorm(C)
-        self.encoder_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout)
+        self.encoder_attn = DecoderAttention(C, H, cfg.use_bias, cfg.attention_dropout, scale_queries=not pre_norm)
         self.encoder_attn_layer_norm = nn.LayerNorm(C)
         self.fc1 = nn.Linear(C, cfg.decoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.decoder_ffn_dim, C)
@@ -182,16 +199,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, self_allowed, past_kv, cross_kv, cross_allowed):
         # x: (B, T, C); past_kv: (k, v) each (B, H, P, D) or None; cross_kv: (k, v) each (B, H, S, D)
-        h = self.self_attn_layer_norm(x)
+        pre = self.pre_norm
+        h = self.self_attn_layer_norm(x) if pre else x
         k, v = self.self_attn.project_kv(h)  # (B, H, T, D)
         if past_kv is not None:
             k = torch.cat([past_kv[0], k], dim=2)  # (B, H, P+T, D)
             v = torch.cat([past_kv[1], v], dim=2)
         x = x + F.dropout(self.self_attn(h, k, v, self_allowed), self.dropout, self.training)
-        h = self.encoder_attn(self.encoder_attn_layer_norm(x), cross_kv[0], cross_kv[1], cross_allowed)
+        if not pre:
+            x = self.self_attn_layer_norm(x)
+        h = self.encoder_attn(self.encoder_attn_layer_norm(x) if pre else x, cross_kv[0], cross_kv[1], cross_allowed)
         x = x + F.dropout(h, self.dropout, self.training)
-        h = F.dropout(self.act(self.fc1(self.final_layer_norm(x))), self.activation_dropout, self.training)
+        if not pre:
+            x = self.encoder_attn_layer_norm(x)
+        h = F.dropout(self.act(self.fc1(self.final_layer_norm(x) if pre else x)), self.activation_dropout, self.training)
         x = x + F.dropout(self.fc2(h), self.dropout, self.training)
+        if not pre:
+            x = self.final_layer_norm(x)
         return x, (k, v)
 
 
@@ -307,7 +331,7 @@ class ScaledEmbedding(nn.Embedding):
 class BigBirdPegasusEncoder(nn.Module):
     def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding):
         super().__init__()
-        self.embed_tokens = embed_tokens  # shared with model.shared (same module)
+        self.embed_tokens = embed_tokens  # model.shared itself when the embeddings are tied
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
         self.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
         self.layernorm_embedding = nn.LayerNorm(cfg.d_model)
@@ -321,7 +345,8 @@ class BigBirdPegasusEncoder(nn.Module):
         Returns the last hidden state (B, S, C), padding positions included."""
         B, S = input_ids.shape
         # Block padding beyond max_position_embeddings reuses the last position: those positions are
-        # masked keys whose outputs are cut off, so their embedding never reaches a real token.
+        # masked keys whose outputs are cut off, so their embedding never reaches a real token
+        # (`encode` refuses real tokens beyond the table).
         positions = torch.arange(S, device=input_ids.device).clamp(max=self.embed_positions.num_embeddings - 1)
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (B, S, C)
         x = F.dropout(x, self.dropout, self.training)
@@ -334,12 +359,18 @@ class BigBirdPegasusEncoder(nn.Module):
 
 
 class BigBirdPegasusDecoder(nn.Module):
-    def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding):
+    """Token + learned position embeddings -> decoder layers, with `layernorm_embedding` after the
+    last layer (Pegasus, pre_norm) or right after the embeddings (BART / LED, post-LN layers).
+    LED builds this same stack with pre_norm=False and its own position-table size."""
+
+    def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding, max_positions: int | None = None,
+                 pre_norm: bool = True):
         super().__init__()
-        self.embed_tokens = embed_tokens  # shared with model.shared (same module)
-        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)])
+        self.embed_tokens = embed_tokens  # model.shared itself when the embeddings are tied
+        self.embed_positions = nn.Embedding(max_positions or cfg.max_position_embeddings, cfg.d_model)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, pre_norm) for _ in range(cfg.decoder_layers)])
         self.layernorm_embedding = nn.LayerNorm(cfg.d_model)
+        self.pre_norm = pre_norm
         self.dropout = cfg.dropout
         self.layerdrop = cfg.decoder_layerdrop
 
@@ -361,6 +392,8 @@ class BigBirdPegasusDecoder(nn.Module):
         B, T = input_ids.shape
         P = 0 if past_kv is None else past_kv[0][0].shape[2]
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # (B, T, C)
+        if not self.pre_norm:
+            x = self.layernorm_embedding(x)
         x = F.dropout(x, self.dropout, self.training)
         key_pos = torch.arange(P + T, device=input_ids.device)  # (P+T,)
         query_pos = P + torch.arange(T, device=input_ids.device)  # (T,)
@@ -374,16 +407,30 @@ class BigBirdPegasusDecoder(nn.Module):
                 continue
             x, kv = layer(x, self_allowed, None if past_kv is None else past_kv[i], cross_kv[i], cross_allowed)
             present.append(kv)
-        return self.layernorm_embedding(x), present
+        return (self.layernorm_embedding(x) if self.pre_norm else x), present
+
+
+def token_embeddings(cfg, scale: float) -> tuple[ScaledEmbedding, ScaledEmbedding, ScaledEmbedding]:
+    """(shared, encoder's, decoder's) token embeddings: one module under three names when
+    `tie_word_embeddings`, else three tables, as transformers 5 builds them (the checkpoint then
+    holds `shared`, `encoder.embed_tokens` and `decoder.embed_tokens` separately, and the stacks
+    use their own)."""
+    def table():
+        return ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_token_id, scale)
+
+    shared = table()
+    if cfg.tie_word_embeddings:
+        return shared, shared, shared
+    return shared, table(), table()
 
 
 class BigBirdPegasusModel(nn.Module):
     def __init__(self, cfg: BigBirdPegasusConfig):
         super().__init__()
         scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
-        self.shared = ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_token_id, scale)
-        self.encoder = BigBirdPegasusEncoder(cfg, self.shared)
-        self.decoder = BigBirdPegasusDecoder(cfg, self.shared)
+        self.shared, encoder_tokens, decoder_tokens = token_embeddings(cfg, scale)
+        self.encoder = BigBirdPegasusEncoder(cfg, encoder_tokens)
+        self.decoder = BigBirdPegasusDecoder(cfg, decoder_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,27 +456,27 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class BigBirdPegasusForConditionalGeneration(nn.Module):
-    # state_dict key -> the key it is an alias of (same tensor); checkpoints may omit the aliases
-    TIED_WEIGHTS = {
-        "model.encoder.embed_tokens.weight": "model.shared.weight",
-        "model.decoder.embed_tokens.weight": "model.shared.weight",
-        "lm_head.weight": "model.shared.weight",  # only when config.tie_word_embeddings
-    }
+class Seq2SeqLM(nn.Module):
+    """What BigBird-Pegasus and LED (longdoc.model.led) share around their own encoders: the
+    decoder stack `backbone.decoder`, `lm_head` + `final_logits_bias`, the cached decoder step,
+    the teacher-forced forward and generate(). A subclass sets `backbone` (the module under the
+    checkpoint's prefix: `model` here, `led` in LED), `PREFIX`, and `encode(input_ids,
+    attention_mask, **encoder_inputs) -> EncoderOutput`."""
+
+    PREFIX = "model"
     # keys a checkpoint may lack (transformers also tolerates a missing bias; it is zeros)
     OPTIONAL_KEYS = ("final_logits_bias",)
+    config: Any
 
-    def __init__(self, config: BigBirdPegasusConfig, attention_spec=None):
-        super().__init__()
-        self.config = config
-        self.model = BigBirdPegasusModel(config)
+    @property
+    def backbone(self) -> nn.Module:
+        return getattr(self, self.PREFIX)
+
+    def _init_lm_head(self, config) -> None:
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.shared.weight
+            self.lm_head.weight = self.backbone.shared.weight
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
-        self.attention_spec = attention_spec if attention_spec is not None else attention_spec_from_config(config)
-        self._layout_cache: dict[tuple, list[LayoutTensors]] = {}
-        self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module) -> None:
         std = self.config.init_std
@@ -444,11 +491,91 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
                     m.weight[m.padding_idx].zero_()
 
     def tied_weights(self) -> dict[str, str]:
-        """The aliases that exist in this instance (lm_head only when tied)."""
-        tied = dict(self.TIED_WEIGHTS)
+        """state_dict key -> the key it is an alias of (the same tensor): with
+        `tie_word_embeddings` the encoder's, the decoder's and the LM head's weights are
+        `{PREFIX}.shared.weight`; without, there are no aliases (transformers 5 unties all four)."""
         if not self.config.tie_word_embeddings:
-            del tied["lm_head.weight"]
-        return tied
+            return {}
+        shared = f"{self.PREFIX}.shared.weight"
+        return {f"{self.PREFIX}.encoder.embed_tokens.weight": shared,
+                f"{self.PREFIX}.decoder.embed_tokens.weight": shared, "lm_head.weight": shared}
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **encoder_inputs) -> EncoderOutput:
+        raise NotImplementedError
+
+    @property
+    def max_decoder_positions(self) -> int:
+        return self.backbone.decoder.embed_positions.num_embeddings
+
+    # ---- decoder
+
+    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.backbone.decoder.cross_attention_kv(encoder_hidden_states)
+
+    def decoder_step(self, input_ids, position_ids, self_attention_mask, cross_kv, encoder_attention_mask,
+                     past_kv=None):
+        """Logits for T new decoder tokens and the updated self-attention cache.
+
+        input_ids, position_ids: (B, T) long; self_attention_mask: (B, P+T), 1 = attend (causal
+        within the T new tokens is added); cross_kv: from `cross_attention_kv`, per layer (k, v)
+        each (B, H, S, D); encoder_attention_mask: (B, S); past_kv: per layer (k, v) each
+        (B, H, P, D), or None when P = 0.
+        Returns logits (B, T, V) and present_kv: per layer (k, v) each (B, H, P+T, D).
+        """
+        h, present = self.backbone.decoder(input_ids, position_ids, self_attention_mask, cross_kv,
+                                           encoder_attention_mask, past_kv)
+        logits = self.lm_head(h) + self.final_logits_bias  # (B, T, V)
+        return logits, present
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, encoder_outputs: EncoderOutput | None = None,
+                **encoder_inputs) -> Seq2SeqLMOutput:
+        """A full (non-cached) pass, as transformers' forward: decoder_input_ids default to
+        labels shifted right, else to input_ids shifted right. Loss = mean cross-entropy over
+        labels != -100. encoder_inputs go to `encode` (LED: global_attention_mask)."""
+        cfg = self.config
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if decoder_input_ids is None:
+            source = labels if labels is not None else input_ids
+            decoder_input_ids = shift_tokens_right(source, cfg.pad_token_id, cfg.decoder_start_token_id)
+        if encoder_outputs is None:
+            encoder_outputs = self.encode(input_ids, attention_mask, **encoder_inputs)
+        enc = encoder_outputs.last_hidden_state
+        B, T = decoder_input_ids.shape
+        if T > self.max_decoder_positions:
+            raise ValueError(f"{T} decoder tokens exceed the decoder's position table ({self.max_decoder_positions})")
+        if decoder_attention_mask is None:
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+        positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
+        logits, _ = self.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
+                                      self.cross_attention_kv(enc), attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Greedy or beam search; see longdoc.model.generation.generate for the arguments. Returns a
+        LongTensor (B, T) that starts with decoder_start_token_id, as transformers does."""
+        from longdoc.model.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+
+class BigBirdPegasusForConditionalGeneration(Seq2SeqLM):
+    PREFIX = "model"
+
+    def __init__(self, config: BigBirdPegasusConfig, attention_spec=None):
+        super().__init__()
+        self.config = config
+        self.model = BigBirdPegasusModel(config)
+        self._init_lm_head(config)
+        self.attention_spec = attention_spec if attention_spec is not None else attention_spec_from_config(config)
+        self._layout_cache: dict[tuple, list[LayoutTensors]] = {}
+        self.apply(self._init_weights)
 
     # ---- encoder
 
@@ -475,6 +602,9 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
 
         cfg = self.config
         B, L = input_ids.shape
+        if L > cfg.max_position_embeddings:  # transformers fails on the position lookup
+            raise ValueError(f"input length {L} exceeds the encoder's position table (max_position_embeddings "
+                             f"{cfg.max_position_embeddings})")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         plan = plan_length(L, cfg.block_size, cfg.num_random_blocks, cfg.attention_type)
@@ -487,57 +617,3 @@ class BigBirdPegasusForConditionalGeneration(nn.Module):
         layouts = [lay.to(input_ids.device) for lay in self.layouts_for(plan.padded_len)]
         h = self.model.encoder(ids, mask, layouts)  # (B, padded_len, C)
         return EncoderOutput(last_hidden_state=h[:, :L])
-
-    # ---- decoder
-
-    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.model.decoder.cross_attention_kv(encoder_hidden_states)
-
-    def decoder_step(self, input_ids, position_ids, self_attention_mask, cross_kv, encoder_attention_mask,
-                     past_kv=None):
-        """Logits for T new decoder tokens and the updated self-attention cache.
-
-        input_ids, position_ids: (B, T) long; self_attention_mask: (B, P+T), 1 = attend (causal
-        within the T new tokens is added); cross_kv: from `cross_attention_kv`, per layer (k, v)
-        each (B, H, S, D); encoder_attention_mask: (B, S); past_kv: per layer (k, v) each
-        (B, H, P, D), or None when P = 0.
-        Returns logits (B, T, V) and present_kv: per layer (k, v) each (B, H, P+T, D).
-        """
-        h, present = self.model.decoder(input_ids, position_ids, self_attention_mask, cross_kv,
-                                        encoder_attention_mask, past_kv)
-        logits = self.lm_head(h) + self.final_logits_bias  # (B, T, V)
-        return logits, present
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, encoder_outputs: EncoderOutput | None = None) -> Seq2SeqLMOutput:
-        """A full (non-cached) pass, as transformers' forward: decoder_input_ids default to
-        labels shifted right, else to input_ids shifted right. Loss = mean cross-entropy over
-        labels != -100."""
-        cfg = self.config
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if decoder_input_ids is None:
-            source = labels if labels is not None else input_ids
-            decoder_input_ids = shift_tokens_right(source, cfg.pad_token_id, cfg.decoder_start_token_id)
-        if encoder_outputs is None:
-            encoder_outputs = self.encode(input_ids, attention_mask)
-        enc = encoder_outputs.last_hidden_state
-        B, T = decoder_input_ids.shape
-        if decoder_attention_mask is None:
-            decoder_attention_mask = torch.ones_like(decoder_input_ids)
-        positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
-        logits, _ = self.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
-                                      self.cross_attention_kv(enc), attention_mask)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Greedy or beam search; see longdoc.model.generation.generate for the arguments. Returns a
-        LongTensor (B, T) that starts with decoder_start_token_id, as transformers does."""
-        from longdoc.model.generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)

@@ -227,3 +227,42 @@ def test_config_round_trip_keeps_unknown_keys():
     assert out["some_future_field"] == [1, 2] and out["model_type"] == "bigbird_pegasus"
     with pytest.raises(ValueError, match="model_type"):
         BigBirdPegasusConfig.from_dict({**d, "model_type": "big_bird"})
+
+
+def test_untied_embeddings_are_four_tables_as_in_transformers(tmp_path):
+    """tie_word_embeddings=False: transformers 5 keeps shared, the encoder's and the decoder's
+    embed_tokens and lm_head as four tables; the stacks use their own. Loading the shared table
+    into all three (one tensor under three names) changes the logits."""
+    hf, ours = hf_and_ours(tmp_path, "hf-eval", attention_type="original_full", tie_word_embeddings=False)
+    hf.eval()
+    assert hf.model.encoder.embed_tokens.weight is not hf.model.shared.weight
+    assert ours.model.encoder.embed_tokens is not ours.model.decoder.embed_tokens
+    assert ours.lm_head.weight is not ours.model.shared.weight
+    ids, mask = batch(2, 40, pad_last=5)
+    dec, _ = batch(2, 6, seed=2)
+    a = run_hf(hf, "original_full", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    with torch.no_grad():
+        b = ours(ids, mask, decoder_input_ids=dec)
+    assert (a.encoder_last_hidden_state - b.encoder_last_hidden_state).abs().max() <= TOL
+    assert (a.logits - b.logits).abs().max() <= TOL
+    # and back: transformers reads what we write
+    save_pretrained(ours, tmp_path / "ours")
+    back = transformers.BigBirdPegasusForConditionalGeneration.from_pretrained(tmp_path / "ours").eval()
+    c = run_hf(back, "original_full", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    assert (c.logits - b.logits).abs().max() <= TOL
+
+
+def test_input_longer_than_the_position_table_is_refused(tmp_path):
+    """Real tokens beyond max_position_embeddings have no position (transformers fails on the
+    lookup); the encoder must not silently give them the last position."""
+    _, ours = hf_and_ours(tmp_path, "hf-eval", block_size=16, num_random_blocks=1, max_pos=128)
+    ids, mask = batch(1, 128)
+    with torch.no_grad():
+        ours.encode(ids, mask)  # exactly the table: fine
+        with pytest.raises(ValueError, match="position table"):
+            ours.encode(*batch(1, 129))
+        with pytest.raises(ValueError, match="position table"):
+            # the 129th token is fed at position 128, past the table
+            ours.generate(ids[:, :20], max_new_tokens=129, min_length=200)
+        # the 128th new token is computed from position 127, the table's last
+        assert ours.generate(ids[:, :20], max_new_tokens=128, min_length=200).shape[1] == 129

@@ -67,6 +67,12 @@ SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
         {"BigBirdPegasusForConditionalGeneration": "BigBirdPegasusForConditionalGeneration"},
         "BigBirdPegasusForConditionalGeneration",
     ),
+    "led": (
+        "longdoc.model.led",
+        "LEDConfig",
+        {"LEDForConditionalGeneration": "LEDForConditionalGeneration"},
+        "LEDForConditionalGeneration",
+    ),
 }
 
 # checkpoint keys that are known to be harmless when the model has no such key (regexes)

@@ -113,7 +113,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              no_repeat_ngram_size: int | None = None, early_stopping: bool | str | None = None,
              min_length: int | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
-             forced_eos_token_id: int | list[int] | None = None,
+             forced_eos_token_id: int | list[int] | None = None, forced_bos_token_id: int | None = None,
              global_attention_mask: torch.Tensor | None = None,
              should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """Summarise `input_ids` (B, L) with greedy (num_beams 1) or beam search.
@@ -131,7 +131,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         max_new_tokens=max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
         no_repeat_ngram_size=no_repeat_ngram_size, early_stopping=early_stopping, min_length=min_length,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, decoder_start_token_id=decoder_start_token_id,
-        forced_eos_token_id=forced_eos_token_id)
+        forced_eos_token_id=forced_eos_token_id, forced_bos_token_id=forced_bos_token_id)
     pad = settings.pad_token_id
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

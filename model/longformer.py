@@ -121,6 +121,18 @@ def padded_length(seq_len: int, specs: tuple[AttentionSpec, ...]) -> int:
     return -(-seq_len // multiple) * multiple
 
 
+def window_layouts(specs: tuple[AttentionSpec, ...], padded_len: int, num_heads: int, device: torch.device | str,
+                   cache: dict) -> list[LayoutTensors]:
+    """Per-layer layout tensors of the sliding windows for a padded length; layer i has
+    padded_len / w_i blocks. Cached in `cache` by (padded_len, device): layouts are deterministic
+    in both. The one windowing of Longformer and LED (longdoc.model.led)."""
+    key = (padded_len, str(device))
+    if key not in cache:
+        cache[key] = [layout_tensors(build_layout(spec, padded_len // spec.block_size, num_heads, layer=i), device)
+                      for i, spec in enumerate(specs)]
+    return cache[key]
+
+
 def position_ids_from(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """RoBERTa's positions (transformers' `create_position_ids_from_input_ids`): non-pad tokens
     count up from pad_token_id + 1, pad tokens sit at pad_token_id. (B, S) long."""
@@ -149,7 +161,9 @@ class LongformerEmbeddings(nn.Module):
 
 
 class LongformerSelfAttention(nn.Module):
-    """Local projections for the window rows, global ones for the global tokens' rows."""
+    """Local projections for the window rows, global ones for the global tokens' rows. Also LED's
+    encoder self-attention (`longformer_self_attn`); config needs hidden_size, num_attention_heads
+    and head_dim."""
 
     def __init__(self, config: LongformerConfig):
         super().__init__()
@@ -246,15 +260,8 @@ class LongformerModel(nn.Module):
         self.apply(lambda m: init_weights(m, config.initializer_range))
 
     def layouts(self, padded_len: int, device: torch.device | str = "cpu") -> list[LayoutTensors]:
-        """Per-layer layout tensors for a padded length (cached); layer i has padded_len / w_i blocks."""
-        key = (padded_len, str(device))
-        if key not in self._layout_cache:
-            H = self.config.num_attention_heads
-            self._layout_cache[key] = [
-                layout_tensors(build_layout(spec, padded_len // spec.block_size, H, layer=i), device)
-                for i, spec in enumerate(self.attention_specs)
-            ]
-        return self._layout_cache[key]
+        """Per-layer layout tensors for a padded length (`window_layouts`, cached)."""
+        return window_layouts(self.attention_specs, padded_len, self.config.num_attention_heads, device, self._layout_cache)
 
     def encode(self, input_ids, attention_mask, global_attention_mask, token_type_ids, layouts: list[LayoutTensors]):
         """input_ids, attention_mask, global_attention_mask, token_type_ids: (B, P), P padded

@@ -263,6 +263,7 @@ class BigBirdPegasusConfig:
     no_repeat_ngram_size: int | None = None
     early_stopping: bool | str | None = None
     forced_eos_token_id: int | list[int] | None = None
+    forced_bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "bigbird_pegasus"

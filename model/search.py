@@ -67,11 +67,13 @@ class SearchSettings:
     pad_token_id: int | None = None
     decoder_start_token_id: int = 0
     forced_eos_token_ids: tuple[int, ...] = ()  # forced at the last position when set
+    forced_bos_token_id: int | None = None  # forced as the first generated token when set (BART / LED)
 
 
 # a model's generation fields under transformers' names (config.json, generation_config.json)
 GENERATION_FIELDS = ("max_length", "num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size",
-                     "min_length", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+                     "min_length", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id",
+                     "forced_bos_token_id")
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -107,7 +109,8 @@ def resolve_settings(defaults: Mapping[str, Any], *, max_new_tokens: int | None 
                      no_repeat_ngram_size: int | None = None, early_stopping: bool | str | None = None,
                      min_length: int | None = None, eos_token_id: int | list[int] | None = None,
                      pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
-                     forced_eos_token_id: int | list[int] | None = None) -> SearchSettings:
+                     forced_eos_token_id: int | list[int] | None = None,
+                     forced_bos_token_id: int | None = None) -> SearchSettings:
     """Arguments given win, then `defaults` (a model's generation fields under transformers' names:
     max_length, num_beams, ..., eos_token_id; missing or None = unset), then transformers' defaults
     (num_beams 1, length_penalty 1.0, no_repeat_ngram_size 0, early_stopping False, min_length 0,
@@ -129,11 +132,12 @@ def resolve_settings(defaults: Mapping[str, Any], *, max_new_tokens: int | None 
         pad_token_id=pick(pad_token_id, "pad_token_id", None),
         decoder_start_token_id=pick(decoder_start_token_id, "decoder_start_token_id", 0),
         forced_eos_token_ids=_ids(pick(forced_eos_token_id, "forced_eos_token_id", None)),
+        forced_bos_token_id=pick(forced_bos_token_id, "forced_bos_token_id", None),
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# logits processors (transformers' order: no-repeat-ngram, min-length, forced-eos)
+# logits processors (transformers' order: no-repeat-ngram, min-length, forced-bos, forced-eos)
 
 
 def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
@@ -148,7 +152,7 @@ def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
 
 def process_scores(sequences: np.ndarray, scores: np.ndarray, s: SearchSettings) -> np.ndarray:
     """The one per-step logits processing, in transformers' order (no-repeat-ngram, min-length,
-    forced-eos). sequences: (N, cur_len) int64, the decoder rows so far (start token included);
+    forced-bos, forced-eos). sequences: (N, cur_len) int64, the decoder rows so far (start token included);
     scores: (N, V) float32 (logits for greedy, log-probs for beam). Returns new scores with
     forbidden tokens at -inf. Rows that differ in length or settings (the service's decoding batch)
     call it one row at a time: sequences (1, own cur_len), with their own settings."""
@@ -163,6 +167,9 @@ def process_scores(sequences: np.ndarray, scores: np.ndarray, s: SearchSettings)
                 scores[i, banned] = NEG_INF
     if s.min_length > 0 and s.eos_token_ids and cur_len < s.min_length:
         scores[:, list(s.eos_token_ids)] = NEG_INF
+    if s.forced_bos_token_id is not None and cur_len == 1:
+        scores[:] = NEG_INF
+        scores[:, s.forced_bos_token_id] = 0.0
     if s.forced_eos_token_ids and cur_len == s.max_length - 1:
         scores[:] = NEG_INF
         scores[:, list(s.forced_eos_token_ids)] = 0.0

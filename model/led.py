@@ -108,7 +108,7 @@ class LEDConfig:
             raise ValueError(f"unsupported activation_function {self.activation_function!r}")
         if self.d_model % self.encoder_attention_heads or self.d_model % self.decoder_attention_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of the attention heads")
-        self.attention_specs  # a bad attention_window fails here, by name
+        longformer_attention_specs(self._window_config())  # a bad attention_window fails here, by name
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LEDConfig:
@@ -153,7 +153,10 @@ class LEDConfig:
     @property
     def attention_specs(self) -> tuple[AttentionSpec, ...]:
         """One `longformer` layout spec per encoder layer (`longdoc.model.layout.longformer_attention_specs`)."""
-        return longformer_attention_specs({"num_hidden_layers": self.encoder_layers, "attention_window": self.attention_window})
+        return longformer_attention_specs(self._window_config())
+
+    def _window_config(self) -> dict[str, Any]:
+        return {"num_hidden_layers": self.encoder_layers, "attention_window": self.attention_window}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ checkpoint is written by transformers and read by `longdoc.model.load_pretrained
 
 For each input length: random ids, a padded second row, the first token global (LED's recipe);
 max abs difference of the encoder's last hidden state (real positions) and of the logits of a
-teacher-forced 16-token decoder pass; then greedy and beam search token ids, ours vs
+teacher-forced 16-token decoder pass; then greedy and beam search token ids (no_repeat_ngram_size 3:
+random weights alone repeat one token), ours vs
 transformers' `generate(do_sample=False)` (same global_attention_mask), and the wall time of
 each side. Prints a Markdown table; --out also writes it (with the command) to a file.
 
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--new-tokens", type=int, default=8, help="generated tokens per search")
     ap.add_argument("--beams", type=int, default=2)
+    ap.add_argument("--no-repeat-ngram-size", type=int, default=3,
+                    help="as LED's summarization checkpoints set it; random weights otherwise repeat one token")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the table (Markdown) here")
     args = ap.parse_args()
@@ -85,7 +88,7 @@ def main() -> None:
         del a, b
         searches = []
         for beams in (1, args.beams):
-            kw = dict(max_new_tokens=args.new_tokens, num_beams=beams)
+            kw = dict(max_new_tokens=args.new_tokens, num_beams=beams, no_repeat_ngram_size=args.no_repeat_ngram_size)
             with torch.no_grad():
                 x, tg_hf = timed(lambda: hf.generate(input_ids=ids, attention_mask=mask, global_attention_mask=glob,
                                                      do_sample=False, **kw))
@@ -114,6 +117,7 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; LEDConfig(**{SHAPES[args.shape]}) "
             f"({params:.0f}M parameters, attention_window {cfg.attention_window[0]}), random init (seed 0), "
             f"batch 2 (row 2 padded by L/8), first token global, {args.new_tokens} new tokens, "
+            f"no_repeat_ngram_size {args.no_repeat_ngram_size}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads.\n\n{table}\n")
 
 

@@ -305,3 +305,7 @@ def test_input_longer_than_the_position_tables_is_refused(hf_and_ours):
         with pytest.raises(ValueError, match="position table"):
             ours.generate(ids, mask, max_new_tokens=17, min_length=100)
         assert ours.generate(ids, mask, max_new_tokens=16, min_length=100).shape[1] == 17
+        dec, _ = batch(1, 17, seed=2)
+        assert ours(ids, mask, decoder_input_ids=dec[:, :16]).logits.shape == (1, 16, VOCAB)
+        with pytest.raises(ValueError, match="position table"):
+            ours(ids, mask, decoder_input_ids=dec)

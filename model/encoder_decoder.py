@@ -17,9 +17,10 @@ same entry points as `longdoc.model.pegasus` (so `longdoc.export` drives both th
 Keys (transformers'): `encoder.embeddings.*`, `encoder.encoder.layer.N.*`, `encoder.pooler.*`
 (a BigBirdModel keeps its pooler; unused here), `decoder.bert.embeddings.*`,
 `decoder.bert.encoder.layer.N.{attention,crossattention,intermediate,output}.*`,
-`decoder.cls.predictions.*`. `decoder.cls.predictions.decoder.weight` is the decoder's word
-embedding when the decoder config says `tie_word_embeddings` (its bias is always
-`decoder.cls.predictions.bias`).
+`decoder.cls.predictions.*`. When the decoder config says `tie_word_embeddings`,
+`decoder.cls.predictions.decoder.weight` is the decoder's word embedding and its bias is
+`decoder.cls.predictions.bias`; untied, transformers keeps both as separate tensors and the
+logits use `decoder.cls.predictions.decoder.{weight,bias}` (`predictions.bias` is then unused).
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ class BertLMHeadDecoder(nn.Module):
 
 
 class EncoderDecoderModel(nn.Module):
-    # the bias alias always, the weight alias only when the decoder config ties
+    # aliases when the decoder config says tie_word_embeddings (transformers unties both otherwise)
     TIED_WEIGHTS = {
         "decoder.cls.predictions.decoder.bias": "decoder.cls.predictions.bias",
         "decoder.cls.predictions.decoder.weight": "decoder.bert.embeddings.word_embeddings.weight",
@@ -282,12 +283,11 @@ class EncoderDecoderModel(nn.Module):
         nn.init.zeros_(self.decoder.cls.predictions.bias)
         if config.decoder.tie_word_embeddings:
             self.decoder.cls.predictions.decoder.weight = self.decoder.bert.embeddings.word_embeddings.weight
+        else:  # transformers unties the output bias too; the logits then use `predictions.decoder.bias`
+            self.decoder.cls.predictions.bias = nn.Parameter(torch.zeros(config.decoder.vocab_size))
 
     def tied_weights(self) -> dict[str, str]:
-        tied = dict(self.TIED_WEIGHTS)
-        if not self.config.decoder.tie_word_embeddings:
-            del tied["decoder.cls.predictions.decoder.weight"]
-        return tied
+        return dict(self.TIED_WEIGHTS) if self.config.decoder.tie_word_embeddings else {}
 
     # ---- the entry points `longdoc.model.generation` and the exporter's checks drive
 

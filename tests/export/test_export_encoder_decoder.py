@@ -67,6 +67,10 @@ def test_manifest_says_summarize_with_both_graphs(exported, b2b):
     assert manifest["full_attention_max_length"] == 144 and manifest["attention"]["pattern"] == "bigbird"
     special = manifest["special_tokens"]
     assert (special["decoder_start"], special["eos"], special["pad"]) == (CLS, SEP, PAD)
+    from longdoc.export.census import check_graph
+
+    for graph in ("encoder.onnx", "decoder.onnx"):  # standard ops only, every layer's attention present
+        assert check_graph(str(exported("fp32") / graph)) == []
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -218,8 +218,9 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     g.scope = "cross/"
     x = g.layer_norm(x, w[p + "layernorm_embedding.weight"], w[p + "layernorm_embedding.bias"], 1e-5, "final_ln")
     g.output(x, "last_hidden_state", None, ["batch", "sequence", E])
-    _cross_kv_outputs(g, w, x, [(f"model.decoder.layers.{i}.encoder_attn.k_proj", f"model.decoder.layers.{i}.encoder_attn.v_proj")
-                                for i in range(dims["dec_layers"])], dims["dec_heads"], E // dims["dec_heads"])
+    lp = "model.decoder.layers.{}.encoder_attn."
+    _cross_kv_outputs(g, w, x, [(lp.format(i) + "k_proj", lp.format(i) + "v_proj") for i in range(dims["dec_layers"])],
+                      dims["dec_heads"], E // dims["dec_heads"])
     return g.model("BigBird-Pegasus encoder with cross-attention keys/values")
 
 

@@ -129,7 +129,7 @@ class BertDecoderConfig(HFConfig):
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "bert"
-    rescale_embeddings = False  # read by BigBirdEmbeddings; BERT never rescales (not a config key)
+    rescale_embeddings = False  # read by BigBirdEmbeddings.__init__; BERT never rescales (not a config key)
 
     def __post_init__(self):
         if not (self.is_decoder and self.add_cross_attention):
@@ -224,13 +224,20 @@ class BertDecoderStack(nn.Module):
         self.layer = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
 
 
+class BertEmbeddings(BigBirdEmbeddings):
+    """BigBird's embedding modules in BERT's order: LayerNorm, then dropout (BigBird drops out first)."""
+
+    def forward(self, input_ids, token_type_ids, position_ids):
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, T, C)
+        return self.dropout(self.LayerNorm(x + self.position_embeddings(position_ids)))
+
+
 class BertDecoder(nn.Module):
     """`decoder.bert`: BERT embeddings (token type 0) + causal layers with cross-attention."""
 
     def __init__(self, config: BertDecoderConfig):
         super().__init__()
-        # BigBird's embeddings apply dropout before the LayerNorm, BERT's after: equal in eval mode
-        self.embeddings = BigBirdEmbeddings(config)
+        self.embeddings = BertEmbeddings(config)
         self.encoder = BertDecoderStack(config)
 
     def forward(self, input_ids, position_ids, self_attention_mask, cross_kv, encoder_attention_mask, past_kv=None):

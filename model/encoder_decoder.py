@@ -288,10 +288,8 @@ class EncoderDecoderModel(nn.Module):
         self.decoder = BertLMHeadDecoder(config.decoder)
         self.decoder.apply(lambda m: init_weights(m, config.decoder.initializer_range))
         nn.init.zeros_(self.decoder.cls.predictions.bias)
-        if config.decoder.tie_word_embeddings:
+        if config.decoder.tie_word_embeddings:  # (untied, the head keeps its two biases apart too)
             self.decoder.cls.predictions.decoder.weight = self.decoder.bert.embeddings.word_embeddings.weight
-        else:  # transformers unties the output bias too; the logits then use `predictions.decoder.bias`
-            self.decoder.cls.predictions.bias = nn.Parameter(torch.zeros(config.decoder.vocab_size))
 
     def tied_weights(self) -> dict[str, str]:
         return dict(self.TIED_WEIGHTS) if self.config.decoder.tie_word_embeddings else {}

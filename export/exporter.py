@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 
 from longdoc.export.graph import OPSET, save_model
-from longdoc.export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
-                                     build_pegasus_decoder, build_pegasus_encoder)
+from longdoc.export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder,
+                                     build_b2b_encoder, build_bigbird_encoder, build_pegasus_decoder,
+                                     build_pegasus_encoder)
 from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import checkpoint_attention_spec
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
+MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq"}
 PLANS = ("hf-train", "hf-eval", "seeded")
 
 
@@ -81,15 +82,15 @@ def task_of(config: dict, task: str) -> str:
         raise CheckpointError(f"task {task!r} is not one of {', '.join(TASKS)}")
     architectures = config.get("architectures") or []
     arch = architectures[0] if architectures else None
-    if config["model_type"] == "bigbird_pegasus":
+    if MODEL_TYPES[config["model_type"]] == "seq2seq":
         if task != "summarize":
-            raise CheckpointError(f"a bigbird_pegasus checkpoint exports as --task summarize, not {task!r}")
+            raise CheckpointError(f"a {config['model_type']} checkpoint exports as --task summarize, not {task!r}")
         if arch not in (None, *SEQ2SEQ_ARCHITECTURES):
             raise CheckpointError(f"architecture {arch!r} is not supported for summarize "
                                   f"(supported: {', '.join(SEQ2SEQ_ARCHITECTURES)})")
         return task
     if task == "summarize":
-        raise CheckpointError("--task summarize needs a bigbird_pegasus checkpoint")
+        raise CheckpointError("--task summarize needs a bigbird_pegasus or encoder-decoder checkpoint")
     if arch is not None and arch not in ENCODER_ARCHITECTURES:
         raise CheckpointError(f"architecture {arch!r} is not supported "
                               f"(supported: {', '.join(ENCODER_ARCHITECTURES)})")
@@ -99,9 +100,39 @@ def task_of(config: dict, task: str) -> str:
     return task
 
 
+def encoder_config(config: dict) -> dict:
+    """The part of a checkpoint config that describes its encoder (block size, positions, attention):
+    an `encoder-decoder` config's nested `encoder`, else the config itself."""
+    return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
+
+
+def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, progress) -> tuple[dict, tuple, dict]:
+    """-> (graphs, (hidden_size, heads, layers) of the encoder, the manifest's decoder dims)."""
+    if config["model_type"] == "encoder-decoder":
+        enc, dec = config["encoder"], config["decoder"]
+        progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {graph_dtype})")
+        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse)}
+        progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {graph_dtype})")
+        graphs["decoder"] = build_b2b_decoder(weights, config, graph_dtype)
+        dims = (enc["hidden_size"], enc["num_attention_heads"], enc["num_hidden_layers"])
+        decoder = {"num_layers": dec["num_hidden_layers"], "num_heads": dec["num_attention_heads"],
+                   "head_dim": dec["hidden_size"] // dec["num_attention_heads"],
+                   "max_positions": dec["max_position_embeddings"]}
+        return graphs, dims, decoder
+    progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
+    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse)}
+    progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
+    graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
+    dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
+    decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
+               "head_dim": config["d_model"] // config["decoder_attention_heads"],
+               "max_positions": config["max_position_embeddings"]}
+    return graphs, dims, decoder
+
+
 def attention_dict(config: dict, plan: str) -> dict:
     """The manifest's attention: the spec the PyTorch model builds from the same config."""
-    return checkpoint_attention_spec(config, plan).to_dict()
+    return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
 
 
 def _versions() -> dict:
@@ -150,22 +181,16 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
-    sparse = config.get("attention_type", "block_sparse") == "block_sparse"
+    enc = encoder_config(config)
+    sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
-    bs = int(config["block_size"])
-    r = int(config.get("num_random_blocks", 3))
+    bs = int(enc["block_size"])
+    r = int(enc.get("num_random_blocks", 3))
 
     graphs = {}
     if task == "summarize":
-        progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
-        graphs["encoder"] = build_pegasus_encoder(weights, config, graph_dtype, sparse)
-        progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
-        graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
-        E, H, L = config["d_model"], config["encoder_attention_heads"], config["encoder_layers"]
-        decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
-                   "head_dim": config["d_model"] // config["decoder_attention_heads"],
-                   "max_positions": config["max_position_embeddings"],
-                   "generation": generation_defaults(checkpoint_dir, config)}
+        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, progress)
+        decoder["generation"] = generation_defaults(checkpoint_dir, config)
     else:
         progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
@@ -173,7 +198,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
-                                                           "bert.embeddings.position_ids"})
+                                                           "bert.embeddings.position_ids", "encoder.pooler.weight",
+                                                           "encoder.pooler.bias"})
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
@@ -195,10 +221,10 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         if task == "classify":
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
-        max_length = (int(config["max_position_embeddings"]) // bs) * bs
+        max_length = (int(enc["max_position_embeddings"]) // bs) * bs
         special = special_token_ids(checkpoint_dir)
         manifest = Manifest(
-            task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
+            task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
             full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
@@ -244,7 +270,9 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in GENERATION_KEYS}
 
 
-def _default_arch(task: str) -> str:
+def _default_arch(task: str, config: dict) -> str:
+    if config.get("model_type") == "encoder-decoder":
+        return "EncoderDecoderModel"
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
             "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
 

@@ -144,7 +144,10 @@ class Reference:
 
     def _reset(self):
         if self.against == "transformers":  # transformers switches to full attention and stays
-            base = self.module.model.encoder if self.manifest.task == "summarize" else self.module.base_model
+            if self.manifest.task != "summarize":
+                base = self.module.base_model
+            else:  # BigBirdPegasusForConditionalGeneration | EncoderDecoderModel (BigBird encoder)
+                base = self.module.model.encoder if hasattr(self.module, "model") else self.module.encoder
             if self.manifest.attention.get("pattern") != "dense":
                 base.set_attention_type("block_sparse")
 
@@ -246,7 +249,7 @@ def _answers(task: str, outputs: dict[str, np.ndarray], ids, mask, sep) -> list:
 def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: bool = False) -> None:
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
-    from longdoc.export.exporter import CheckpointError, read_config, task_of, weights_path
+    from longdoc.export.exporter import CheckpointError, encoder_config, read_config, task_of, weights_path
     from longdoc.export.manifest import sha256_of
 
     try:
@@ -258,11 +261,12 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
     arch = (config.get("architectures") or [manifest.architecture])[0]
     if arch != manifest.architecture:
         raise VerifyError(f"{checkpoint_dir} is a {arch}, but the export is a {manifest.architecture}")
-    seq2seq = manifest.task == "summarize"
-    dims = {"hidden_size": config.get("d_model" if seq2seq else "hidden_size"),
-            "num_layers": config.get("encoder_layers" if seq2seq else "num_hidden_layers"),
-            "num_heads": config.get("encoder_attention_heads" if seq2seq else "num_attention_heads"),
-            "block_size": config.get("block_size")}
+    pegasus = config.get("model_type") == "bigbird_pegasus"
+    enc = encoder_config(config)
+    dims = {"hidden_size": enc.get("d_model" if pegasus else "hidden_size"),
+            "num_layers": enc.get("encoder_layers" if pegasus else "num_hidden_layers"),
+            "num_heads": enc.get("encoder_attention_heads" if pegasus else "num_attention_heads"),
+            "block_size": enc.get("block_size")}
     differ = [f"{k} {v} (export: {getattr(manifest, k)})" for k, v in dims.items() if v != getattr(manifest, k)]
     if manifest.labels is not None and len(config.get("id2label") or {}) not in (0, len(manifest.labels)):
         differ.append(f"{len(config['id2label'])} labels (export: {len(manifest.labels)})")

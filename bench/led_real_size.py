@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--beams", type=int, default=2)
     ap.add_argument("--no-repeat-ngram-size", type=int, default=3,
                     help="as LED's summarization checkpoints set it; random weights otherwise repeat one token")
+    ap.add_argument("--min-length", type=int, default=0,
+                    help="total decoder length below which eos is forbidden (random weights may end at once)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the table (Markdown) here")
     args = ap.parse_args()
@@ -88,7 +90,8 @@ def main() -> None:
         del a, b
         searches = []
         for beams in (1, args.beams):
-            kw = dict(max_new_tokens=args.new_tokens, num_beams=beams, no_repeat_ngram_size=args.no_repeat_ngram_size)
+            kw = dict(max_new_tokens=args.new_tokens, num_beams=beams, no_repeat_ngram_size=args.no_repeat_ngram_size,
+                      min_length=args.min_length)
             with torch.no_grad():
                 x, tg_hf = timed(lambda: hf.generate(input_ids=ids, attention_mask=mask, global_attention_mask=glob,
                                                      do_sample=False, **kw))
@@ -117,7 +120,7 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; LEDConfig(**{SHAPES[args.shape]}) "
             f"({params:.0f}M parameters, attention_window {cfg.attention_window[0]}), random init (seed 0), "
             f"batch 2 (row 2 padded by L/8), first token global, {args.new_tokens} new tokens, "
-            f"no_repeat_ngram_size {args.no_repeat_ngram_size}, "
+            f"no_repeat_ngram_size {args.no_repeat_ngram_size}, min_length {args.min_length}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads.\n\n{table}\n")
 
 

@@ -19,7 +19,7 @@ ALLOWED_OPS = frozenset("""
 Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Equal Less LessOrEqual Greater
 GreaterOrEqual And Or Not Where Cast Identity
 Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
-MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax LayerNormalization
+MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax LayerNormalization TopK CumSum
 DynamicQuantizeLinear MatMulInteger QuantizeLinear DequantizeLinear
 """.split())
 CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})

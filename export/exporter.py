@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 
 from longdoc.export.graph import OPSET, save_model
-from longdoc.export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder,
-                                     build_pegasus_decoder, build_pegasus_encoder)
+from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_GLOBAL_TOKENS,
+                                     SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder, build_longformer_encoder,
+                                     build_pegasus_decoder, build_pegasus_encoder, longformer_block_size)
 from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
-from longdoc.model.layout import checkpoint_attention_spec
+from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq"}
+MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "longformer": "longformer"}
 PLANS = ("hf-train", "hf-eval", "seeded")
 
 
@@ -90,6 +91,13 @@ def task_of(config: dict, task: str) -> str:
         return task
     if task == "summarize":
         raise CheckpointError("--task summarize needs a bigbird_pegasus checkpoint")
+    if config["model_type"] == "longformer":
+        tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
+        if task not in tasks:
+            raise CheckpointError(f"a longformer checkpoint exports as --task {' or '.join(tasks)}, not {task!r}")
+        if arch is not None and LONGFORMER_ARCHITECTURES.get(arch) != task:
+            raise CheckpointError(f"architecture {arch!r} is not supported for {task} (supported: {tasks[task]})")
+        return task
     if arch is not None and arch not in ENCODER_ARCHITECTURES:
         raise CheckpointError(f"architecture {arch!r} is not supported "
                               f"(supported: {', '.join(ENCODER_ARCHITECTURES)})")
@@ -100,8 +108,25 @@ def task_of(config: dict, task: str) -> str:
 
 
 def attention_dict(config: dict, plan: str) -> dict:
-    """The manifest's attention: the spec the PyTorch model builds from the same config."""
+    """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
+    every layer's, one window for all, `longformer_block_size`)."""
+    if config["model_type"] == "longformer":
+        try:
+            longformer_block_size(config)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return longformer_attention_specs(config)[0].to_dict()
     return checkpoint_attention_spec(config, plan).to_dict()
+
+
+def encoder_block_size(config: dict) -> int:
+    """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
+    if config["model_type"] == "longformer":
+        try:
+            return longformer_block_size(config)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    return int(config["block_size"])
 
 
 def _versions() -> dict:
@@ -150,9 +175,10 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
-    sparse = config.get("attention_type", "block_sparse") == "block_sparse"
+    longformer = config["model_type"] == "longformer"
+    sparse = longformer or config.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
-    bs = int(config["block_size"])
+    bs = encoder_block_size(config)
     r = int(config.get("num_random_blocks", 3))
 
     graphs = {}
@@ -166,6 +192,11 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
                    "head_dim": config["d_model"] // config["decoder_attention_heads"],
                    "max_positions": config["max_position_embeddings"],
                    "generation": generation_defaults(checkpoint_dir, config)}
+    elif longformer:
+        progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
+        graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype)
+        E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+        decoder = None
     else:
         progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
@@ -173,7 +204,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
-                                                           "bert.embeddings.position_ids"})
+                                                           "bert.embeddings.position_ids",
+                                                           "longformer.embeddings.position_ids"})
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
@@ -195,13 +227,19 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         if task == "classify":
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
-        max_length = (int(config["max_position_embeddings"]) // bs) * bs
         special = special_token_ids(checkpoint_dir)
+        if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
+            max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
+            min_length, full_max = 1, 0
+        else:
+            max_length = (int(config["max_position_embeddings"]) // bs) * bs
+            min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
         manifest = Manifest(
-            task=task, architecture=(config.get("architectures") or [_default_arch(task)])[0], dtype=dtype,
+            task=task, architecture=(config.get("architectures") or [_default_arch(config, task)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
-            num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
-            full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
+            num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
+            full_attention_max_length=full_max, labels=labels,
+            global_tokens=LONGFORMER_GLOBAL_TOKENS[task] if longformer else "none",
             special_tokens=special, decoder=decoder,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
@@ -244,7 +282,9 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in GENERATION_KEYS}
 
 
-def _default_arch(task: str) -> str:
+def _default_arch(config: dict, task: str) -> str:
+    if config["model_type"] == "longformer":
+        return {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}[task]
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
             "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
 

@@ -20,7 +20,8 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
-                                             declare_layout_inputs, dense_attention, merge_heads, split_heads)
+                                             declare_layout_inputs, dense_attention, gather_tokens, longformer_context,
+                                             merge_heads, split_heads)
 
 ENCODER_ARCHITECTURES = {
     "BigBirdForQuestionAnswering": "qa",
@@ -30,6 +31,13 @@ ENCODER_ARCHITECTURES = {
     "BigBirdModel": None,
 }
 SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize"}
+LONGFORMER_ARCHITECTURES = {
+    "LongformerForQuestionAnswering": "qa",
+    "LongformerForSequenceClassification": "classify",
+}
+# which tokens a Longformer task attends to globally (the manifest's `global_tokens`): the question
+# for QA (transformers' LongformerForQuestionAnswering default), the first token for classification
+LONGFORMER_GLOBAL_TOKENS = {"qa": "question", "classify": "first"}
 
 
 class Weights:
@@ -70,6 +78,18 @@ def _positions(g: GraphBuilder, input_ids: str) -> str:
 
 # --- BigBird encoder -----------------------------------------------------------------------
 
+def _post_ln_layer_rest(g: GraphBuilder, w: Weights, lp: str, a: str, x: str, eps: float, act: str) -> str:
+    """A BERT-style post-LN layer after its self-attention (BigBird and Longformer alike):
+    attention output dense -> LayerNorm(+ x) -> FFN -> LayerNorm(+ residual). a, x: (B, S, E)."""
+    a = g.linear(a, w[f"{lp}attention.output.dense.weight"], w[f"{lp}attention.output.dense.bias"], "attn_out")
+    x = g.layer_norm(g.op("Add", [a, x]), w[f"{lp}attention.output.LayerNorm.weight"],
+                     w[f"{lp}attention.output.LayerNorm.bias"], eps, "attn_ln")
+    f = g.activation(g.linear(x, w[f"{lp}intermediate.dense.weight"], w[f"{lp}intermediate.dense.bias"], "fc1"), act)
+    f = g.linear(f, w[f"{lp}output.dense.weight"], w[f"{lp}output.dense.bias"], "fc2")
+    return g.layer_norm(g.op("Add", [f, x]), w[f"{lp}output.LayerNorm.weight"], w[f"{lp}output.LayerNorm.bias"],
+                        eps, "ffn_ln")
+
+
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
                           sep_token_id: int | None = None):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
@@ -99,14 +119,7 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
         q, k, v = (g.linear(x, w[f"{lp}attention.self.{n}.weight"], w.get(f"{lp}attention.self.{n}.bias"), n)
                    for n in ("query", "key", "value"))
         a = block_sparse_attention(g, q, k, v, i, ctx)  # (B, S, E)
-        a = g.linear(a, w[f"{lp}attention.output.dense.weight"], w[f"{lp}attention.output.dense.bias"], "attn_out")
-        x = g.layer_norm(g.op("Add", [a, x]), w[f"{lp}attention.output.LayerNorm.weight"],
-                         w[f"{lp}attention.output.LayerNorm.bias"], eps, "attn_ln")
-        f = g.activation(g.linear(x, w[f"{lp}intermediate.dense.weight"], w[f"{lp}intermediate.dense.bias"], "fc1"),
-                         act)
-        f = g.linear(f, w[f"{lp}output.dense.weight"], w[f"{lp}output.dense.bias"], "fc2")
-        x = g.layer_norm(g.op("Add", [f, x]), w[f"{lp}output.LayerNorm.weight"], w[f"{lp}output.LayerNorm.bias"],
-                         eps, "ffn_ln")
+        x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
     g.scope = "head/"
 
     if task == "qa":
@@ -148,6 +161,74 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
     else:
         raise ValueError(f"task {task!r} is not an encoder task")
     return g.model(f"BigBird {task} encoder, block-sparse={sparse}")
+
+
+# --- Longformer encoder ----------------------------------------------------------------------
+
+def longformer_block_size(config: dict) -> int:
+    """w = attention_window / 2, the window's block size and band. One window for every layer: a
+    per-layer window would need one layout table per block size, which the graph does not take."""
+    from longdoc.model.layout import longformer_attention_specs
+
+    sizes = {spec.block_size for spec in longformer_attention_specs(config)}
+    if len(sizes) != 1:
+        raise ValueError(f"attention_window {config['attention_window']} differs between layers; the export takes "
+                         "one window for every layer (the PyTorch model, longdoc.model.longformer, runs it)")
+    return sizes.pop()
+
+
+def longformer_positions(g: GraphBuilder, ids: str, pad_token_id: int) -> str:
+    """RoBERTa's position ids (longdoc.model.longformer.position_ids_from): (B, S) int64."""
+    not_pad = g.op("Cast", [g.op("Not", [g.op("Equal", [ids, g.const(pad_token_id)])])], to=TensorProto.INT64)
+    return g.op("Add", [g.op("Mul", [g.op("CumSum", [not_pad, g.const(1)]), not_pad]), g.const(pad_token_id)])
+
+
+def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str):
+    """input_ids, attention_mask, global_attention_mask (B, S) int64 (S a multiple of w) + the window
+    table (layout_key_blocks, layout_valid) -> start_logits/end_logits (B, S) | logits (B, num_labels).
+    Token types are transformers' default, all 0 (RoBERTa checkpoints have one type)."""
+    g = GraphBuilder(f"longformer_{task}_encoder", dtype)
+    E, H = config["hidden_size"], config["num_attention_heads"]
+    eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu")
+    bs = longformer_block_size(config)
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    global_mask = g.input("global_attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    declare_layout_inputs(g, layout_global_rows=False)
+
+    p = "longformer."
+    x = _embedding(g, w[p + "embeddings.word_embeddings.weight"], ids, "word_embeddings")
+    x = g.op("Add", [x, _embedding(g, w[p + "embeddings.position_embeddings.weight"],
+                                   longformer_positions(g, ids, int(config.get("pad_token_id", 1))), "positions")])
+    x = g.op("Add", [x, g.weight("token_type_0", w[p + "embeddings.token_type_embeddings.weight"][0])])  # (B, S, E)
+    x = g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
+
+    ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
+    for i in range(config["num_hidden_layers"]):
+        g.scope = f"layer{i}/"
+        lp = f"{p}encoder.layer.{i}."
+        q, k, v = (g.linear(x, w[f"{lp}attention.self.{n}.weight"], w[f"{lp}attention.self.{n}.bias"], n)
+                   for n in ("query", "key", "value"))
+        x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
+        global_qkv = tuple(g.linear(src, w[f"{lp}attention.self.{n}_global.weight"],
+                                    w[f"{lp}attention.self.{n}_global.bias"], f"{n}_global")
+                           for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
+        a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+        x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
+    g.scope = "head/"
+    if task == "qa":
+        logits = g.to_fp32(g.linear(x, w["qa_outputs.weight"], w["qa_outputs.bias"], "qa_outputs"))  # (B, S, 2)
+        start, end = g.op("Split", [logits, g.const([1, 1])], axis=2, n_out=2)
+        g.output(g.op("Squeeze", [start, g.const([2])]), "start_logits", TensorProto.FLOAT, ["batch", "sequence"])
+        g.output(g.op("Squeeze", [end, g.const([2])]), "end_logits", TensorProto.FLOAT, ["batch", "sequence"])
+    elif task == "classify":
+        first = g.op("Gather", [x, g.const(0)], axis=1)  # (B, E)
+        h = g.op("Tanh", [g.linear(first, w["classifier.dense.weight"], w["classifier.dense.bias"], "dense")])
+        logits = g.linear(h, w["classifier.out_proj.weight"], w["classifier.out_proj.bias"], "out_proj")
+        g.output(g.to_fp32(logits), "logits", TensorProto.FLOAT, ["batch", "labels"])
+    else:
+        raise ValueError(f"task {task!r}: a Longformer exports as qa or classify")
+    return g.model(f"Longformer {task} encoder, window {2 * bs}")
 
 
 # --- BigBird-Pegasus -----------------------------------------------------------------------

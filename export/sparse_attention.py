@@ -19,13 +19,25 @@ For a padded length S = nb * block_size (paper App. D, Fig. 6):
 Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
 table: K = nb, every row lists every key block, which is exact full attention.
 
+Longformer (Beltagy et al. 2020, Sec. 3.1; the PyTorch side is longdoc.model.attention) adds two
+things to the same sparse rows, and takes no `global_blocks` / `block_source` inputs:
+
+    band          keys more than `band` tokens from the query are removed inside the gathered
+                  window blocks (a mask computed from the table, so any length works);
+    global tokens `global_attention_mask` (B, S) graph input: TopK over the mask gives each row's
+                  G global positions (G = the largest count in the batch, at least 1; padding
+                  slots are masked). Every sparse row gets G extra key slots holding them (and
+                  they leave the window, so each counts once); each global token's own row
+                  attends to every key with the global projections, and a Where picks it
+                  (CumSum of the mask gives each position its slot). No Loop/If/Scan.
+
 This module builds graphs and needs the `onnx` package; the host side that serving needs (the
 input names `LAYOUT_INPUTS`, the feeds) is export/layout_feed.py, which does not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from onnx import TensorProto
@@ -47,6 +59,9 @@ class AttentionContext:
     head_offset: str | None  # (H, 1, 1) int64: h * nb, turns per-head block ids into flat ids
     sparse: bool
     heads_per_group: int = 0  # 0 = all heads at once
+    band: int = 0  # > 0: keys at most `band` tokens from the query count in sparse rows (Longformer)
+    global_tokens: GlobalTokenInputs | None = None  # per-request global tokens (Longformer)
+    layout_global_rows: bool = True  # the layout's global query blocks (`global_blocks` input)
 
     def head_groups(self) -> list[tuple[int, int]]:
         """[start, stop) head ranges, computed one after another (the last may be shorter)."""
@@ -54,11 +69,64 @@ class AttentionContext:
         return [(h, min(h + n, self.num_heads)) for h in range(0, self.num_heads, n)]
 
 
-def declare_layout_inputs(g: GraphBuilder) -> None:
+@dataclass(frozen=True)
+class GlobalTokenInputs:
+    """Per-request global tokens, computed once per graph from `global_attention_mask`."""
+
+    index: str  # (B, G) int64: each row's global positions, increasing; padding slots hold any position
+    slot_bias: str  # (B, 1, 1, 1, G) float: 0 for a real slot, NEG_INF for a padding slot
+    is_global: str  # (B, S, 1) bool
+    slot: str  # (B, S) int64: the slot of each global position in `index` (0 elsewhere)
+
+
+def declare_layout_inputs(g: GraphBuilder, layout_global_rows: bool = True) -> None:
     g.input("layout_key_blocks", TensorProto.INT64, ["layers", "heads", "blocks", "slots"])
     g.input("layout_valid", TensorProto.BOOL, ["layers", "heads", "blocks", "slots"])
-    g.input("global_blocks", TensorProto.INT64, ["global"])
-    g.input("block_source", TensorProto.INT64, ["blocks"])
+    if layout_global_rows:
+        g.input("global_blocks", TensorProto.INT64, ["global"])
+        g.input("block_source", TensorProto.INT64, ["blocks"])
+
+
+def global_token_inputs(g: GraphBuilder, global_attention_mask: str, attention_mask: str) -> GlobalTokenInputs:
+    """global_attention_mask, attention_mask: (B, S) int64 graph inputs (non-zero = global / real).
+    A padded position is never global (transformers multiplies the two masks)."""
+    is_global = g.op("And", [g.op("Not", [g.op("Equal", [global_attention_mask, g.const(0)])]),
+                             g.op("Not", [g.op("Equal", [attention_mask, g.const(0)])])])  # (B, S) bool
+    flag = g.op("Cast", [is_global], to=TensorProto.FLOAT)  # (B, S) fp32 in every graph dtype
+    count = g.op("ReduceMax", [g.op("ReduceSum", [flag, g.const([1])], keepdims=0)], keepdims=1)  # (1,)
+    G = g.op("Cast", [g.op("Max", [count, g.const([1.0], np.float32)])], to=TensorProto.INT64)  # (1,) >= 1
+    # global positions first, increasing: key = flag * 2^22 - position (exact in fp32 below 2^22 tokens)
+    positions = g.op("Cast", [g.op("Range", [g.const(0), g.op("Gather", [g.op("Shape", [flag]), g.const(1)], axis=0),
+                                             g.const(1)])], to=TensorProto.FLOAT)  # (S,)
+    key = g.op("Sub", [g.op("Mul", [flag, g.const(float(2 ** 22), np.float32)]), positions])
+    _, index = g.op("TopK", [key, G], axis=1, largest=1, sorted=1, n_out=2)  # (B, G)
+    real_slot = g.op("GatherElements", [flag, index], axis=1)  # (B, G) 1.0 = a real global token
+    bias = g.op("Mul", [g.op("Sub", [g.const(1.0, np.float32), real_slot]), g.const(NEG_INF, np.float32)])
+    slot_bias = g.op("Unsqueeze", [g.op("Cast", [bias], to=g.float_type), g.const([1, 2, 3])])  # (B,1,1,1,G)
+    slot = g.op("Sub", [g.op("CumSum", [g.op("Cast", [is_global], to=TensorProto.INT64), g.const(1)]), g.const(1)])
+    slot = g.op("Max", [slot, g.const(0)])  # (B, S)
+    return GlobalTokenInputs(index, slot_bias, g.op("Unsqueeze", [is_global, g.const([2])]), slot)
+
+
+def gather_tokens(g: GraphBuilder, x: str, index: str) -> str:
+    """x (B, S, E), index (B, G) positions -> (B, G, E)."""
+    idx = g.op("Unsqueeze", [index, g.const([2])])  # (B, G, 1)
+    shape = g.op("Concat", [g.op("Shape", [index]), g.op("Slice", [g.op("Shape", [x]), g.const([2]), g.const([3])])],
+                 axis=0)
+    return g.op("GatherElements", [x, g.op("Expand", [idx, shape])], axis=1)
+
+
+def longformer_context(g: GraphBuilder, attention_mask: str, global_attention_mask: str, block_size: int,
+                       num_heads: int, head_dim: int) -> AttentionContext:
+    """Windows of 3 blocks of w = block_size tokens under a band of w, plus the request's global tokens:
+    a real key that is global leaves the window (it has a slot of its own)."""
+    ctx = attention_context(g, attention_mask, block_size, num_heads, head_dim, sparse=True)
+    tokens = global_token_inputs(g, global_attention_mask, attention_mask)
+    local = g.op("And", [g.op("Not", [g.op("Equal", [attention_mask, g.const(0)])]),
+                         g.op("Not", [g.op("Squeeze", [tokens.is_global, g.const([2])])])])  # (B, S)
+    local_blocks = g.op("Reshape", [g.to_float(local), g.const([0, -1, block_size])])  # (B, nb, bs)
+    return replace(ctx, key_mask_blocks=local_blocks, band=block_size, global_tokens=tokens,
+                   layout_global_rows=False)
 
 
 def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
@@ -100,10 +168,15 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
 
 
 def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
-                           ctx: AttentionContext) -> str:
-    """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here."""
+                           ctx: AttentionContext, global_qkv: tuple[str, str, str] | None = None) -> str:
+    """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here.
+    global_qkv (with ctx.global_tokens): the global tokens' own rows' projections, q (B, G, H*D) at
+    the G slots of `ctx.global_tokens.index`, k, v (B, S, H*D)."""
     bs, D = ctx.block_size, ctx.head_dim
     scale = 1.0 / float(np.sqrt(D))
+    tokens = ctx.global_tokens
+    if tokens is not None:  # the global tokens' keys/values as extra slots of every sparse row
+        k_slots, v_slots = (split_heads(g, gather_tokens(g, t, tokens.index), ctx) for t in (k, v))  # (B, H, G, D)
     q, k, v = (split_heads(g, t, ctx) for t in (q, k, v))  # (B, H, S, D)
     groups = ctx.head_groups()
     if not ctx.sparse:
@@ -126,10 +199,19 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
                                                                               len(groups), axis=0)
         offset = ctx.head_offset if len(groups) == 1 else g.op(
             "Slice", [ctx.head_offset, g.const([0]), g.const([h1 - h0]), g.const([0])])
-        outs.append(_head_group_attention(g, *parts, offset, ctx))
+        slots = _heads(g, (k_slots, v_slots), h0, h1, len(groups), axis=1) if tokens is not None else None
+        outs.append(_head_group_attention(g, *parts, offset, ctx, slots))
     out = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1)  # (B, H, nb, bs, D)
     out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
-    return g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
+    out = g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
+    if tokens is None:
+        return out
+    # each global token's own row attends to every key with the global projections
+    qg, kg, vg = (split_heads(g, t, ctx) for t in global_qkv)  # (B, H, G, D), (B, H, S, D) x2
+    rows = merge_heads(g, dense_attention(g, qg, kg, vg, ctx.key_bias, scale), ctx)  # (B, G, H*D)
+    at_position = g.op("GatherElements", [rows, g.op("Expand", [g.op("Unsqueeze", [tokens.slot, g.const([2])]),
+                                                                g.op("Shape", [out])])], axis=1)  # (B, S, H*D)
+    return g.op("Where", [tokens.is_global, at_position, out])
 
 
 def _heads(g: GraphBuilder, tensors: tuple[str, ...], h0: int, h1: int, n_groups: int,
@@ -142,9 +224,9 @@ def _heads(g: GraphBuilder, tensors: tuple[str, ...], h0: int, h1: int, n_groups
 
 
 def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: str, valid: str,
-                          head_offset: str, ctx: AttentionContext) -> str:
+                          head_offset: str, ctx: AttentionContext, slots: tuple[str, str] | None = None) -> str:
     """One group of h heads: q (scaled), k, v (B, h, S, D); key_blocks, valid (h, nb, K);
-    head_offset (h, 1, 1) -> (B, h, nb, bs, D)."""
+    head_offset (h, 1, 1); slots: the global tokens' keys and values (B, h, G, D) -> (B, h, nb, bs, D)."""
     bs, D = ctx.block_size, ctx.head_dim
     qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
     k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
@@ -161,11 +243,26 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, h, nb, K, bs)
     slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (h, nb, K, 1)
     allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,h,nb,1,K*bs)
+    if ctx.band:
+        allowed = g.op("Mul", [allowed, _band_mask(g, key_blocks, bs, ctx.band)])  # (B, h, nb, bs, K*bs)
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
-    probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
+    scores = g.op("Add", [scores, bias])
+    if slots is not None:  # G global key slots in front of the window's keys
+        k_slots, v_slots = (g.op("Unsqueeze", [t, g.const([2])]) for t in slots)  # (B, h, 1, G, D)
+        slot_scores = g.op("MatMul", [qb, g.op("Transpose", [k_slots], perm=[0, 1, 2, 4, 3])])  # (B,h,nb,bs,G)
+        scores = g.op("Concat", [g.op("Add", [slot_scores, ctx.global_tokens.slot_bias]), scores], axis=-1)
+    probs = g.op("Softmax", [scores], axis=-1)
+    if slots is not None:
+        G = g.op("Shape", [slots[0]], start=2, end=3)  # (1,)
+        slot_probs = g.op("Slice", [probs, g.const([0]), G, g.const([-1])])  # (B, h, nb, bs, G)
+        probs = g.op("Slice", [probs, G, g.const([2 ** 62]), g.const([-1])])  # (B, h, nb, bs, K*bs)
     vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
     vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
     sparse_out = g.op("MatMul", [probs, vg])  # (B, h, nb, bs, D)
+    if slots is not None:
+        sparse_out = g.op("Add", [sparse_out, g.op("MatMul", [slot_probs, v_slots])])
+    if not ctx.layout_global_rows:
+        return sparse_out
 
     # global rows: their query blocks attend to every key
     qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, D)
@@ -176,3 +273,17 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
 
     both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, h, nb+G, bs, D)
     return g.op("Gather", [both, "block_source"], axis=2)  # (B, h, nb, bs, D)
+
+
+def _band_mask(g: GraphBuilder, key_blocks: str, bs: int, band: int) -> str:
+    """(h, nb, bs, K*bs) float, 1.0 = the key slot is at most `band` tokens from the query
+    (key_blocks (h, nb, K))."""
+    offsets = g.const(np.arange(bs))
+    key_pos = g.op("Add", [g.op("Unsqueeze", [g.op("Mul", [key_blocks, g.const(bs)]), g.const([3])]), offsets])
+    key_pos = g.op("Reshape", [key_pos, g.const([0, 0, 1, -1])])  # (h, nb, 1, K*bs)
+    nb = g.op("Shape", [key_blocks], start=1, end=2)  # (1,)
+    query_pos = g.op("Range", [g.const(0), g.op("Squeeze", [g.op("Mul", [nb, g.const([bs])]), g.const([0])]),
+                               g.const(1)])
+    query_pos = g.op("Reshape", [query_pos, g.const([1, -1, bs, 1])])  # (1, nb, bs, 1)
+    near = g.op("LessOrEqual", [g.op("Abs", [g.op("Sub", [key_pos, query_pos])]), g.const(band)])
+    return g.to_float(near)

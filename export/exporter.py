@@ -95,8 +95,12 @@ def task_of(config: dict, task: str) -> str:
         tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
         if task not in tasks:
             raise CheckpointError(f"a longformer checkpoint exports as --task {' or '.join(tasks)}, not {task!r}")
-        if arch is not None and LONGFORMER_ARCHITECTURES.get(arch) != task:
-            raise CheckpointError(f"architecture {arch!r} is not supported for {task} (supported: {tasks[task]})")
+        if arch is not None and arch not in LONGFORMER_ARCHITECTURES:
+            raise CheckpointError(f"architecture {arch!r} is not supported "
+                                  f"(supported: {', '.join(LONGFORMER_ARCHITECTURES)})")
+        if arch is not None and LONGFORMER_ARCHITECTURES[arch] != task:
+            raise CheckpointError(f"checkpoint architecture {arch} is a {LONGFORMER_ARCHITECTURES[arch]!r} model, "
+                                  f"not {task!r}")
         return task
     if arch is not None and arch not in ENCODER_ARCHITECTURES:
         raise CheckpointError(f"architecture {arch!r} is not supported "

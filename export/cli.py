@@ -93,8 +93,11 @@ def _export(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - start:.1f} s\n"
           f"  graphs: {', '.join(m.graphs.values())}; layers {m.num_layers}, heads {m.num_heads}, "
           f"hidden {m.hidden_size}\n"
-          f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
-          f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}")
+          + (f"  lengths {m.min_length}..{m.max_length}; attention longformer, window {2 * m.block_size} "
+             f"(padded to a multiple of {m.block_size}); global tokens: {m.global_tokens}"
+             if m.global_tokens != "none" else
+             f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
+             f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}"))
     return 0
 
 

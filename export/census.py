@@ -13,7 +13,8 @@ from collections import Counter, defaultdict
 import onnx
 
 MIN_OPSET = 17  # export/graph.py writes opset 20 (Gelu)
-# element-wise arithmetic, shape plumbing, the attention kernels, normalisation, and the
+# element-wise arithmetic, shape plumbing, the attention kernels, normalisation, TopK and CumSum
+# (Longformer's per-request global tokens: their positions and each position's slot), and the
 # ops ONNX Runtime's dynamic int8 quantization inserts (all in the default domain)
 ALLOWED_OPS = frozenset("""
 Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Equal Less LessOrEqual Greater

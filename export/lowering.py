@@ -1,10 +1,13 @@
-"""BigBird and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
+"""BigBird, Longformer and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
 
 Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
 
 - BigBird encoder (post-LN), heads: QA (with transformers' question-token masking), sequence
   classification, masked LM.
+- Longformer encoder (post-LN, RoBERTa positions; the per-layer rest is BigBird's,
+  `_post_ln_layer_rest`), heads: QA, sequence classification; the window and the request's
+  global tokens (`global_attention_mask` input) in export/sparse_attention.py.
 - BigBird-Pegasus encoder (pre-LN, scaled embeddings, final LayerNorm), which also emits each
   decoder layer's cross-attention keys/values (computed once per document), and a one-step
   decoder graph with a growing self-attention KV cache, explicit position ids and an explicit

@@ -193,6 +193,11 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
 
     # Heads in groups, one group after another: the gathered keys/values, scores and
     # probabilities (each (B, h, nb, bs, K*bs), the activation peak) exist for one group at a time.
+    # Longformer's window is one table for every head (model/layout.py `_longformer`): its mask, with
+    # the token-level band, is built once per layer from head 0's row, (B, 1, nb, bs, K*bs), instead
+    # of once per head group (the band's element-wise work was most of the attention's time)
+    shared_bias = _window_bias(g, *(g.op("Slice", [t, g.const([0]), g.const([1]), g.const([0])])
+                                    for t in (key_blocks, valid)), ctx) if ctx.band else None
     outs = []
     for h0, h1 in groups:
         parts = _heads(g, (q, k, v), h0, h1, len(groups), axis=1) + _heads(g, (key_blocks, valid), h0, h1,
@@ -200,7 +205,7 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         offset = ctx.head_offset if len(groups) == 1 else g.op(
             "Slice", [ctx.head_offset, g.const([0]), g.const([h1 - h0]), g.const([0])])
         slots = _heads(g, (k_slots, v_slots), h0, h1, len(groups), axis=1) if tokens is not None else None
-        outs.append(_head_group_attention(g, *parts, offset, ctx, slots))
+        outs.append(_head_group_attention(g, *parts, offset, ctx, slots, shared_bias))
     out = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1)  # (B, H, nb, bs, D)
     out = g.op("Transpose", [out], perm=[0, 2, 3, 1, 4])  # (B, nb, bs, H, D)
     out = g.op("Reshape", [out, g.const([0, -1, ctx.num_heads * D])])  # (B, S, H*D)
@@ -223,10 +228,23 @@ def _heads(g: GraphBuilder, tensors: tuple[str, ...], h0: int, h1: int, n_groups
     return tuple(g.op("Slice", [t, start, stop, g.const([axis])]) for t in tensors)
 
 
+def _window_bias(g: GraphBuilder, key_blocks: str, valid: str, ctx: AttentionContext) -> str:
+    """Additive bias of the sparse rows' keys: 0 = counts, NEG_INF = padded key, table padding slot
+    or (ctx.band) outside the band. key_blocks, valid (h, nb, K) -> (B, h, nb, 1 | bs, K*bs)."""
+    key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, h, nb, K, bs)
+    slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (h, nb, K, 1)
+    allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,h,nb,1,K*bs)
+    if ctx.band:
+        allowed = g.op("Mul", [allowed, _band_mask(g, key_blocks, ctx.block_size, ctx.band)])  # (B,h,nb,bs,K*bs)
+    return g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
+
+
 def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: str, valid: str,
-                          head_offset: str, ctx: AttentionContext, slots: tuple[str, str] | None = None) -> str:
+                          head_offset: str, ctx: AttentionContext, slots: tuple[str, str] | None = None,
+                          bias: str | None = None) -> str:
     """One group of h heads: q (scaled), k, v (B, h, S, D); key_blocks, valid (h, nb, K);
-    head_offset (h, 1, 1); slots: the global tokens' keys and values (B, h, G, D) -> (B, h, nb, bs, D)."""
+    head_offset (h, 1, 1); slots: the global tokens' keys and values (B, h, G, D); bias: the window's
+    (`_window_bias`) when shared by every head, else built here -> (B, h, nb, bs, D)."""
     bs, D = ctx.block_size, ctx.head_dim
     qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
     k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
@@ -240,13 +258,7 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
     scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, h, nb, bs, K*bs)
 
-    key_real = g.op("Gather", [ctx.key_mask_blocks, key_blocks], axis=1)  # (B, h, nb, K, bs)
-    slot_ok = g.op("Unsqueeze", [g.to_float(valid), g.const([-1])])  # (h, nb, K, 1)
-    allowed = g.op("Reshape", [g.op("Mul", [key_real, slot_ok]), g.const([0, 0, 0, 1, -1])])  # (B,h,nb,1,K*bs)
-    if ctx.band:
-        allowed = g.op("Mul", [allowed, _band_mask(g, key_blocks, bs, ctx.band)])  # (B, h, nb, bs, K*bs)
-    bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), allowed]), g.fconst(NEG_INF)])
-    scores = g.op("Add", [scores, bias])
+    scores = g.op("Add", [scores, _window_bias(g, key_blocks, valid, ctx) if bias is None else bias])
     if slots is not None:  # G global key slots in front of the window's keys
         k_slots, v_slots = (g.op("Unsqueeze", [t, g.const([2])]) for t in slots)  # (B, h, 1, G, D)
         slot_scores = g.op("MatMul", [qb, g.op("Transpose", [k_slots], perm=[0, 1, 2, 4, 3])])  # (B,h,nb,bs,G)

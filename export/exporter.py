@@ -13,15 +13,17 @@ import numpy as np
 
 from longdoc.export.graph import OPSET, save_model
 from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_GLOBAL_TOKENS,
-                                     SEQ2SEQ_ARCHITECTURES, Weights, build_bigbird_encoder, build_longformer_encoder,
-                                     build_pegasus_decoder, build_pegasus_encoder, longformer_block_size)
+                                     SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder, build_b2b_encoder,
+                                     build_bigbird_encoder, build_longformer_encoder, build_pegasus_decoder,
+                                     build_pegasus_encoder, longformer_block_size)
 from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "longformer": "longformer"}
+MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
+               "longformer": "longformer"}
 PLANS = ("hf-train", "hf-eval", "seeded")
 
 
@@ -82,15 +84,15 @@ def task_of(config: dict, task: str) -> str:
         raise CheckpointError(f"task {task!r} is not one of {', '.join(TASKS)}")
     architectures = config.get("architectures") or []
     arch = architectures[0] if architectures else None
-    if config["model_type"] == "bigbird_pegasus":
+    if MODEL_TYPES[config["model_type"]] == "seq2seq":
         if task != "summarize":
-            raise CheckpointError(f"a bigbird_pegasus checkpoint exports as --task summarize, not {task!r}")
+            raise CheckpointError(f"a {config['model_type']} checkpoint exports as --task summarize, not {task!r}")
         if arch not in (None, *SEQ2SEQ_ARCHITECTURES):
             raise CheckpointError(f"architecture {arch!r} is not supported for summarize "
                                   f"(supported: {', '.join(SEQ2SEQ_ARCHITECTURES)})")
         return task
     if task == "summarize":
-        raise CheckpointError("--task summarize needs a bigbird_pegasus checkpoint")
+        raise CheckpointError("--task summarize needs a bigbird_pegasus or encoder-decoder checkpoint")
     if config["model_type"] == "longformer":
         tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
         if task not in tasks:
@@ -111,6 +113,36 @@ def task_of(config: dict, task: str) -> str:
     return task
 
 
+def encoder_config(config: dict) -> dict:
+    """The part of a checkpoint config that describes its encoder (block size, positions, attention):
+    an `encoder-decoder` config's nested `encoder`, else the config itself."""
+    return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
+
+
+def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, progress) -> tuple[dict, tuple, dict]:
+    """-> (graphs, (hidden_size, heads, layers) of the encoder, the manifest's decoder dims)."""
+    if config["model_type"] == "encoder-decoder":
+        enc, dec = config["encoder"], config["decoder"]
+        progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {graph_dtype})")
+        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse)}
+        progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {graph_dtype})")
+        graphs["decoder"] = build_b2b_decoder(weights, config, graph_dtype)
+        dims = (enc["hidden_size"], enc["num_attention_heads"], enc["num_hidden_layers"])
+        decoder = {"num_layers": dec["num_hidden_layers"], "num_heads": dec["num_attention_heads"],
+                   "head_dim": dec["hidden_size"] // dec["num_attention_heads"],
+                   "max_positions": dec["max_position_embeddings"]}
+        return graphs, dims, decoder
+    progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
+    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse)}
+    progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
+    graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
+    dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
+    decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
+               "head_dim": config["d_model"] // config["decoder_attention_heads"],
+               "max_positions": config["max_position_embeddings"]}
+    return graphs, dims, decoder
+
+
 def attention_dict(config: dict, plan: str) -> dict:
     """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
     every layer's, one window for all, `longformer_block_size`)."""
@@ -120,7 +152,7 @@ def attention_dict(config: dict, plan: str) -> dict:
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
         return longformer_attention_specs(config)[0].to_dict()
-    return checkpoint_attention_spec(config, plan).to_dict()
+    return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
 
 
 def encoder_block_size(config: dict) -> int:
@@ -130,7 +162,7 @@ def encoder_block_size(config: dict) -> int:
             return longformer_block_size(config)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-    return int(config["block_size"])
+    return int(encoder_config(config)["block_size"])
 
 
 def _versions() -> dict:
@@ -179,23 +211,17 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
+    enc = encoder_config(config)
     longformer = config["model_type"] == "longformer"
-    sparse = longformer or config.get("attention_type", "block_sparse") == "block_sparse"
+    sparse = longformer or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
     bs = encoder_block_size(config)
-    r = int(config.get("num_random_blocks", 3))
+    r = int(enc.get("num_random_blocks", 3))
 
     graphs = {}
     if task == "summarize":
-        progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
-        graphs["encoder"] = build_pegasus_encoder(weights, config, graph_dtype, sparse)
-        progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
-        graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
-        E, H, L = config["d_model"], config["encoder_attention_heads"], config["encoder_layers"]
-        decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
-                   "head_dim": config["d_model"] // config["decoder_attention_heads"],
-                   "max_positions": config["max_position_embeddings"],
-                   "generation": generation_defaults(checkpoint_dir, config)}
+        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, progress)
+        decoder["generation"] = generation_defaults(checkpoint_dir, config)
     elif longformer:
         progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype)
@@ -208,8 +234,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
-                                                           "bert.embeddings.position_ids",
-                                                           "longformer.embeddings.position_ids"})
+                                                           "bert.embeddings.position_ids", "encoder.pooler.weight",
+                                                           "encoder.pooler.bias", "longformer.embeddings.position_ids"})
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
@@ -236,10 +262,10 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
             min_length, full_max = 1, 0
         else:
-            max_length = (int(config["max_position_embeddings"]) // bs) * bs
+            max_length = (int(enc["max_position_embeddings"]) // bs) * bs
             min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
         manifest = Manifest(
-            task=task, architecture=(config.get("architectures") or [_default_arch(config, task)])[0], dtype=dtype,
+            task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
@@ -286,7 +312,9 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in GENERATION_KEYS}
 
 
-def _default_arch(config: dict, task: str) -> str:
+def _default_arch(task: str, config: dict) -> str:
+    if config.get("model_type") == "encoder-decoder":
+        return "EncoderDecoderModel"
     if config["model_type"] == "longformer":
         return {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}[task]
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",

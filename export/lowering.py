@@ -12,6 +12,10 @@ use). The graphs follow transformers' forward passes in eval mode (dropout off):
   decoder layer's cross-attention keys/values (computed once per document), and a one-step
   decoder graph with a growing self-attention KV cache, explicit position ids and an explicit
   self-attention mask so sequences of different ages can share a batch.
+- BigBird-RoBERTa encoder-decoder (BERT2BERT: transformers' EncoderDecoderModel with a big_bird
+  encoder and a bert decoder): the BigBird layer stack (`_bigbird_stack`, shared with the BigBird
+  encoder) plus the cross-attention keys/values, and a BERT decoder step with the same inputs and
+  outputs as Pegasus' (`_decoder_step_inputs`, `_decoder_step_biases`, `_cached_self_attention`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ ENCODER_ARCHITECTURES = {
     "BigBirdForPreTraining": "mlm",
     "BigBirdModel": None,
 }
-SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize"}
+SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize", "EncoderDecoderModel": "summarize"}
 LONGFORMER_ARCHITECTURES = {
     "LongformerForQuestionAnswering": "qa",
     "LongformerForSequenceClassification": "classify",
@@ -93,29 +97,29 @@ def _post_ln_layer_rest(g: GraphBuilder, w: Weights, lp: str, a: str, x: str, ep
                         eps, "ffn_ln")
 
 
-def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None):
-    """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
-    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
-    g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
-    E, H = config["hidden_size"], config["num_attention_heads"]
-    bs, eps, act = config["block_size"], config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
-    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
-    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
-    types = g.input("token_type_ids", TensorProto.INT64, ["batch", "sequence"])
-    if sparse:
-        declare_layout_inputs(g)
-
-    p = "bert."
+def _bert_embeddings(g: GraphBuilder, w: Weights, config: dict, p: str, ids: str, types: str | None,
+                     positions: str) -> str:
+    """BERT/BigBird embeddings under prefix p: word (x sqrt(E) when `rescale_embeddings`) + token
+    type (`types` None: type 0, transformers' default) + position -> LayerNorm. (B, S, E)"""
+    E, eps = config["hidden_size"], config.get("layer_norm_eps", 1e-12)
     x = _embedding(g, w[p + "embeddings.word_embeddings.weight"], ids, "word_embeddings")
     if config.get("rescale_embeddings", False):
         x = g.op("Mul", [x, g.fconst(E ** 0.5)])
-    x = g.op("Add", [x, _embedding(g, w[p + "embeddings.token_type_embeddings.weight"], types, "token_types")])
-    x = g.op("Add", [x, _embedding(g, w[p + "embeddings.position_embeddings.weight"], _positions(g, ids),
-                                   "positions")])  # (B, S, E)
-    x = g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
+    table = w[p + "embeddings.token_type_embeddings.weight"]
+    types = (g.weight("token_type_0", table[0]) if types is None  # (E,), broadcast
+             else _embedding(g, table, types, "token_types"))
+    x = g.op("Add", [x, types])
+    x = g.op("Add", [x, _embedding(g, w[p + "embeddings.position_embeddings.weight"], positions, "positions")])
+    return g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
-    ctx = attention_context(g, mask, bs, H, E // H, sparse)
+
+def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool) -> str:
+    """The BigBird encoder layers under prefix p (`{p}encoder.layer.N.`), block-sparse over the
+    layout inputs or full: (B, S, E) -> (B, S, E). BigBirdFor* (p "bert.") and the BERT2BERT
+    encoder (p "encoder.") both run this."""
+    E, H = config["hidden_size"], config["num_attention_heads"]
+    eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -123,6 +127,25 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
                    for n in ("query", "key", "value"))
         a = block_sparse_attention(g, q, k, v, i, ctx)  # (B, S, E)
         x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
+    return x
+
+
+def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
+                          sep_token_id: int | None = None):
+    """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
+    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
+    g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
+    E = config["hidden_size"]
+    eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    types = g.input("token_type_ids", TensorProto.INT64, ["batch", "sequence"])
+    if sparse:
+        declare_layout_inputs(g)
+
+    p = "bert."
+    x = _bert_embeddings(g, w, config, p, ids, types, _positions(g, ids))
+    x = _bigbird_stack(g, w, config, p, x, mask, sparse)
     g.scope = "head/"
 
     if task == "qa":
@@ -200,11 +223,7 @@ def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str):
     declare_layout_inputs(g, layout_global_rows=False)
 
     p = "longformer."
-    x = _embedding(g, w[p + "embeddings.word_embeddings.weight"], ids, "word_embeddings")
-    x = g.op("Add", [x, _embedding(g, w[p + "embeddings.position_embeddings.weight"],
-                                   longformer_positions(g, ids, int(config.get("pad_token_id", 1))), "positions")])
-    x = g.op("Add", [x, g.weight("token_type_0", w[p + "embeddings.token_type_embeddings.weight"][0])])  # (B, S, E)
-    x = g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
+    x = _bert_embeddings(g, w, config, p, ids, None, longformer_positions(g, ids, int(config.get("pad_token_id", 1))))
 
     ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
     for i in range(config["num_hidden_layers"]):
@@ -274,14 +293,67 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     g.scope = "cross/"
     x = g.layer_norm(x, w[p + "layernorm_embedding.weight"], w[p + "layernorm_embedding.bias"], 1e-5, "final_ln")
     g.output(x, "last_hidden_state", None, ["batch", "sequence", E])
-    dctx = AttentionContext(0, dims["dec_heads"], E // dims["dec_heads"], "", None, None, False)
-    for i in range(dims["dec_layers"]):
-        lp = f"model.decoder.layers.{i}.encoder_attn."
-        for kind in ("k", "v"):
-            t = g.linear(x, w[f"{lp}{kind}_proj.weight"], w.get(f"{lp}{kind}_proj.bias"), f"{kind}_proj{i}")
-            name = f"cross_{'key' if kind == 'k' else 'value'}_{i}"
-            g.output(split_heads(g, t, dctx), name, None, ["batch", dims["dec_heads"], "sequence", E // dims["dec_heads"]])
+    lp = "model.decoder.layers.{}.encoder_attn."
+    _cross_kv_outputs(g, w, x, [(lp.format(i) + "k_proj", lp.format(i) + "v_proj") for i in range(dims["dec_layers"])],
+                      dims["dec_heads"], E // dims["dec_heads"])
     return g.model("BigBird-Pegasus encoder with cross-attention keys/values")
+
+
+# --- the decoder-step parts every encoder-decoder shares (Pegasus, BERT2BERT) ---------------
+
+def _cross_kv_outputs(g: GraphBuilder, w: Weights, x: str, projections: list[tuple[str, str]], H: int, D: int) -> None:
+    """Graph outputs cross_key_l, cross_value_l (B, H, S, D) of each decoder layer l from the
+    encoder output x (B, S, E); projections: per layer the (key, value) weight prefixes."""
+    ctx = AttentionContext(0, H, D, "", None, None, False)
+    for i, prefixes in enumerate(projections):
+        for kind, wp in zip(("key", "value"), prefixes):
+            t = g.linear(x, w[wp + ".weight"], w.get(wp + ".bias"), f"cross_{kind}_proj{i}")
+            g.output(split_heads(g, t, ctx), f"cross_{kind}_{i}", None, ["batch", H, "sequence", D])
+
+
+def _decoder_step_inputs(g: GraphBuilder, L: int, H: int, D: int) -> tuple[str, str, str, str]:
+    """The decoder step's inputs (see `build_pegasus_decoder`): returns input_ids, position_ids
+    (B, T), self_mask (B, P+T), encoder_mask (B, Se); declares past_* and cross_* per layer."""
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "new"])
+    pos_ids = g.input("position_ids", TensorProto.INT64, ["batch", "new"])
+    self_mask = g.input("self_mask", TensorProto.INT64, ["batch", "total"])
+    enc_mask = g.input("encoder_mask", TensorProto.INT64, ["batch", "source"])
+    for i in range(L):
+        g.input(f"past_key_{i}", g.float_type, ["batch", H, "past", D])
+        g.input(f"past_value_{i}", g.float_type, ["batch", H, "past", D])
+    for i in range(L):
+        g.input(f"cross_key_{i}", g.float_type, ["batch", H, "source", D])
+        g.input(f"cross_value_{i}", g.float_type, ["batch", H, "source", D])
+    return ids, pos_ids, self_mask, enc_mask
+
+
+def _decoder_step_biases(g: GraphBuilder, ids: str, self_mask: str, enc_mask: str) -> tuple[str, str]:
+    """Additive attention biases of one step (longdoc.model.pegasus.decoder_step_masks in ONNX):
+    self (B, 1, T, P+T) = padding/age mask and causality among the new tokens; cross (B, 1, 1, Se)."""
+    new = g.op("Gather", [g.op("Shape", [ids]), g.const(1)], axis=0)
+    total = g.op("Gather", [g.op("Shape", [self_mask]), g.const(1)], axis=0)
+    past = g.op("Sub", [total, new])
+    row = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [g.const(0), new, g.const(1)]), past]), g.const([1])])
+    col = g.op("Unsqueeze", [g.op("Range", [g.const(0), total, g.const(1)]), g.const([0])])
+    causal = g.op("LessOrEqual", [col, row])  # (T, P+T)
+    allowed = g.op("And", [g.op("Unsqueeze", [g.op("Cast", [self_mask], to=TensorProto.BOOL), g.const([1, 2])]),
+                           causal])  # (B, 1, T, P+T)
+    self_bias = g.op("Where", [allowed, g.fconst(0.0), g.fconst(NEG_INF)])
+    enc_bias = g.op("Unsqueeze", [g.op("Mul", [g.op("Sub", [g.fconst(1.0), g.to_float(enc_mask)]),
+                                               g.fconst(NEG_INF)]), g.const([1, 2])])  # (B, 1, 1, Se)
+    return self_bias, enc_bias
+
+
+def _cached_self_attention(g: GraphBuilder, i: int, q: str, k: str, v: str, self_bias: str,
+                           ctx: AttentionContext) -> str:
+    """Layer i's self-attention over past_key_i/past_value_i + the new k, v (each (B, H, T, D),
+    q too); outputs present_key_i/present_value_i (B, H, P+T, D). Returns (B, T, E)."""
+    H, D = ctx.num_heads, ctx.head_dim
+    k = g.op("Concat", [f"past_key_{i}", k], axis=2)  # (B, H, P+T, D)
+    v = g.op("Concat", [f"past_value_{i}", v], axis=2)
+    g.output(k, f"present_key_{i}", None, ["batch", H, "total", D])
+    g.output(v, f"present_value_{i}", None, ["batch", H, "total", D])
+    return merge_heads(g, dense_attention(g, q, k, v, self_bias, D ** -0.5), ctx)
 
 
 def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
@@ -297,34 +369,13 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
     E, H, L = dims["d_model"], dims["dec_heads"], dims["dec_layers"]
     D = E // H
     g = GraphBuilder("bigbird_pegasus_decoder", dtype)
-    ids = g.input("input_ids", TensorProto.INT64, ["batch", "new"])
-    pos_ids = g.input("position_ids", TensorProto.INT64, ["batch", "new"])
-    self_mask = g.input("self_mask", TensorProto.INT64, ["batch", "total"])
-    enc_mask = g.input("encoder_mask", TensorProto.INT64, ["batch", "source"])
-    for i in range(L):
-        g.input(f"past_key_{i}", g.float_type, ["batch", H, "past", D])
-        g.input(f"past_value_{i}", g.float_type, ["batch", H, "past", D])
-    for i in range(L):
-        g.input(f"cross_key_{i}", g.float_type, ["batch", H, "source", D])
-        g.input(f"cross_value_{i}", g.float_type, ["batch", H, "source", D])
+    ids, pos_ids, self_mask, enc_mask = _decoder_step_inputs(g, L, H, D)
 
     p = "model.decoder."
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], pos_ids, "positions")])  # (B, T, E)
-
-    # self-attention bias (B, 1, T, P+T): padding/age mask plus causality among new tokens
-    new = g.op("Gather", [g.op("Shape", [ids]), g.const(1)], axis=0)
-    total = g.op("Gather", [g.op("Shape", [self_mask]), g.const(1)], axis=0)
-    past = g.op("Sub", [total, new])
-    row = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [g.const(0), new, g.const(1)]), past]), g.const([1])])
-    col = g.op("Unsqueeze", [g.op("Range", [g.const(0), total, g.const(1)]), g.const([0])])
-    causal = g.op("LessOrEqual", [col, row])  # (T, P+T)
-    allowed = g.op("And", [g.op("Unsqueeze", [g.op("Cast", [self_mask], to=TensorProto.BOOL), g.const([1, 2])]),
-                           causal])  # (B, 1, T, P+T)
-    self_bias = g.op("Where", [allowed, g.fconst(0.0), g.fconst(NEG_INF)])
-    enc_bias = g.op("Unsqueeze", [g.op("Mul", [g.op("Sub", [g.fconst(1.0), g.to_float(enc_mask)]),
-                                               g.fconst(NEG_INF)]), g.const([1, 2])])  # (B, 1, 1, Se)
+    self_bias, enc_bias = _decoder_step_biases(g, ids, self_mask, enc_mask)
     ctx = AttentionContext(0, H, D, "", None, None, False)
     scale = D ** -0.5
     for i in range(L):
@@ -333,11 +384,7 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
         h = g.layer_norm(x, w[lp + "self_attn_layer_norm.weight"], w[lp + "self_attn_layer_norm.bias"], 1e-5, "ln1")
         q, k, v = (split_heads(g, g.linear(h, w[f"{lp}self_attn.{n}_proj.weight"], w.get(f"{lp}self_attn.{n}_proj.bias"),
                                            n), ctx) for n in ("q", "k", "v"))
-        k = g.op("Concat", [f"past_key_{i}", k], axis=2)  # (B, H, P+T, D)
-        v = g.op("Concat", [f"past_value_{i}", v], axis=2)
-        g.output(k, f"present_key_{i}", None, ["batch", H, "total", D])
-        g.output(v, f"present_value_{i}", None, ["batch", H, "total", D])
-        a = merge_heads(g, dense_attention(g, q, k, v, self_bias, scale), ctx)
+        a = _cached_self_attention(g, i, q, k, v, self_bias, ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "self_attn.out_proj.weight"], w.get(lp + "self_attn.out_proj.bias"),
                                      "self_out")])
         h = g.layer_norm(x, w[lp + "encoder_attn_layer_norm.weight"], w[lp + "encoder_attn_layer_norm.bias"], 1e-5,
@@ -356,3 +403,71 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
     bias = w["final_logits_bias"].reshape(-1) if "final_logits_bias" in w else None
     g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
     return g.model("BigBird-Pegasus decoder step with KV cache")
+
+
+# --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------
+
+def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+    """The `encoder-decoder` config's BigBird encoder: input_ids, attention_mask (B, S) [+ layout
+    inputs] -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
+    (B, H, S, D), as `build_pegasus_encoder` (token types are 0, transformers' default)."""
+    enc, dec = config["encoder"], config["decoder"]
+    g = GraphBuilder("bert2bert_encoder", dtype)
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    if sparse:
+        declare_layout_inputs(g)
+    x = _bert_embeddings(g, w, enc, "encoder.", ids, None, _positions(g, ids))
+    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse)
+    g.scope = "cross/"
+    g.output(x, "last_hidden_state", None, ["batch", "sequence", enc["hidden_size"]])
+    lp = "decoder.bert.encoder.layer.{}.crossattention.self."
+    H = dec["num_attention_heads"]
+    _cross_kv_outputs(g, w, x, [(lp.format(i) + "key", lp.format(i) + "value") for i in range(dec["num_hidden_layers"])],
+                      H, dec["hidden_size"] // H)
+    return g.model(f"BigBird-RoBERTa encoder (BERT2BERT), block-sparse={sparse}, with cross-attention keys/values")
+
+
+def _post_ln_output(g: GraphBuilder, w: Weights, op: str, a: str, x: str, eps: float, name: str) -> str:
+    """BERT's output block under prefix op: LayerNorm(dense(a) + x). (B, T, E)"""
+    a = g.linear(a, w[op + "dense.weight"], w[op + "dense.bias"], name)
+    return g.layer_norm(g.op("Add", [a, x]), w[op + "LayerNorm.weight"], w[op + "LayerNorm.bias"], eps, name + "_ln")
+
+
+def build_b2b_decoder(w: Weights, config: dict, dtype: str):
+    """The `encoder-decoder` config's BERT decoder, one step with a KV cache: inputs and outputs
+    exactly `build_pegasus_decoder`'s (the runtime drives both the same way). Post-LN layers:
+    causal self-attention, cross-attention, FFN; the MLM head gives the logits."""
+    dec = config["decoder"]
+    E, H, L = dec["hidden_size"], dec["num_attention_heads"], dec["num_hidden_layers"]
+    D, eps, act = E // H, dec.get("layer_norm_eps", 1e-12), dec.get("hidden_act", "gelu")
+    g = GraphBuilder("bert2bert_decoder", dtype)
+    ids, pos_ids, self_mask, enc_mask = _decoder_step_inputs(g, L, H, D)
+    p = "decoder.bert."
+    x = _bert_embeddings(g, w, dec, p, ids, None, pos_ids)  # (B, T, E)
+    self_bias, enc_bias = _decoder_step_biases(g, ids, self_mask, enc_mask)
+    ctx = AttentionContext(0, H, D, "", None, None, False)
+    for i in range(L):
+        g.scope = f"dec{i}/"
+        lp = f"{p}encoder.layer.{i}."
+        q, k, v = (split_heads(g, g.linear(x, w[f"{lp}attention.self.{n}.weight"], w[f"{lp}attention.self.{n}.bias"],
+                                           n), ctx) for n in ("query", "key", "value"))
+        x = _post_ln_output(g, w, f"{lp}attention.output.", _cached_self_attention(g, i, q, k, v, self_bias, ctx), x,
+                            eps, "self_out")
+        q = split_heads(g, g.linear(x, w[f"{lp}crossattention.self.query.weight"],
+                                    w[f"{lp}crossattention.self.query.bias"], "cross_q"), ctx)
+        a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, D ** -0.5), ctx)
+        x = _post_ln_output(g, w, f"{lp}crossattention.output.", a, x, eps, "cross_out")
+        f = g.activation(g.linear(x, w[f"{lp}intermediate.dense.weight"], w[f"{lp}intermediate.dense.bias"], "fc1"), act)
+        x = _post_ln_output(g, w, f"{lp}output.", f, x, eps, "fc2")
+    g.scope = "lm/"
+    hp = "decoder.cls.predictions."
+    h = g.activation(g.linear(x, w[hp + "transform.dense.weight"], w[hp + "transform.dense.bias"], "dense"), act)
+    h = g.layer_norm(h, w[hp + "transform.LayerNorm.weight"], w[hp + "transform.LayerNorm.bias"], eps, "ln")
+    if dec.get("tie_word_embeddings", True):  # transformers ties the weight to the embedding, the bias to .bias
+        weight = w.first(hp + "decoder.weight", p + "embeddings.word_embeddings.weight")
+        bias = w.first(hp + "bias", hp + "decoder.bias")
+    else:  # untied, transformers' logits use the decoder Linear's own weight and bias
+        weight, bias = w[hp + "decoder.weight"], w[hp + "decoder.bias"]
+    g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
+    return g.model("BigBird-RoBERTa (BERT2BERT) decoder step with KV cache")

@@ -150,7 +150,10 @@ class Reference:
 
     def _reset(self):
         if self.against == "transformers":  # transformers switches to full attention and stays
-            base = self.module.model.encoder if self.manifest.task == "summarize" else self.module.base_model
+            if self.manifest.task != "summarize":
+                base = self.module.base_model
+            else:  # BigBirdPegasusForConditionalGeneration | EncoderDecoderModel (BigBird encoder)
+                base = self.module.model.encoder if hasattr(self.module, "model") else self.module.encoder
             if self.manifest.attention.get("pattern") == "bigbird":
                 base.set_attention_type("block_sparse")
 
@@ -269,23 +272,26 @@ def random_global_mask(rng, manifest, ids: np.ndarray, mask: np.ndarray, row_def
 def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: bool = False) -> None:
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
-    from longdoc.export.exporter import CheckpointError, encoder_block_size, read_config, task_of, weights_path
+    from longdoc.export.exporter import (CheckpointError, encoder_block_size, encoder_config, read_config, task_of,
+                                         weights_path)
     from longdoc.export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)
         task_of(config, manifest.task)
         weights = weights_path(checkpoint_dir)
-        seq2seq = manifest.task == "summarize"
-        block_size = config.get("block_size") if seq2seq else encoder_block_size(config)
+        block_size = (encoder_block_size(config) if config.get("model_type") == "longformer"
+                      else encoder_config(config).get("block_size"))
     except CheckpointError as exc:
         raise VerifyError(f"{checkpoint_dir} cannot be compared with {manifest.task!r} model: {exc}") from None
     arch = (config.get("architectures") or [manifest.architecture])[0]
     if arch != manifest.architecture:
         raise VerifyError(f"{checkpoint_dir} is a {arch}, but the export is a {manifest.architecture}")
-    dims = {"hidden_size": config.get("d_model" if seq2seq else "hidden_size"),
-            "num_layers": config.get("encoder_layers" if seq2seq else "num_hidden_layers"),
-            "num_heads": config.get("encoder_attention_heads" if seq2seq else "num_attention_heads"),
+    pegasus = config.get("model_type") == "bigbird_pegasus"
+    enc = encoder_config(config)
+    dims = {"hidden_size": enc.get("d_model" if pegasus else "hidden_size"),
+            "num_layers": enc.get("encoder_layers" if pegasus else "num_hidden_layers"),
+            "num_heads": enc.get("encoder_attention_heads" if pegasus else "num_attention_heads"),
             "block_size": block_size}
     differ = [f"{k} {v} (export: {getattr(manifest, k)})" for k, v in dims.items() if v != getattr(manifest, k)]
     if manifest.labels is not None and len(config.get("id2label") or {}) not in (0, len(manifest.labels)):

@@ -654,14 +654,15 @@ class BigBirdPredictionHeadTransform(nn.Module):
 
 
 class BigBirdLMPredictionHead(nn.Module):
-    """transform -> decoder (weight tied to the word embeddings unless the config says not;
-    its bias *is* `predictions.bias`, as in transformers)."""
+    """transform -> decoder. With `tie_word_embeddings` (the default) the decoder's weight is the
+    word embeddings' and its bias *is* `predictions.bias` (one parameter, two names); without it,
+    as in transformers 5, both are parameters of their own and the decoder's bias is the one used."""
 
     def __init__(self, config: BigBirdConfig):
         super().__init__()
         self.transform = BigBirdPredictionHeadTransform(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.bias = self.decoder.bias  # one parameter, two names (both appear in state_dict)
+        self.bias = self.decoder.bias if config.tie_word_embeddings else nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, x):
         return self.decoder(self.transform(x))  # (B, S, vocab)
@@ -677,12 +678,6 @@ class BigBirdOnlyMLMHead(nn.Module):
 
 
 class BigBirdForMaskedLM(_Head):
-    # state_dict aliases of parameters stored under another name (not written by save_pretrained)
-    tied_aliases = {
-        "cls.predictions.decoder.bias": "cls.predictions.bias",
-        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-    }
-
     def __init__(self, config: BigBirdConfig, plan: str = "hf-train"):
         super().__init__()
         self.config = config
@@ -692,13 +687,6 @@ class BigBirdForMaskedLM(_Head):
         nn.init.zeros_(self.cls.predictions.bias)
         if config.tie_word_embeddings:
             self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
-
-    def tied_keys(self) -> dict[str, str]:
-        """alias key -> owning key for the parameters shared in this instance."""
-        keys = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
-        if self.config.tie_word_embeddings:
-            keys["cls.predictions.decoder.weight"] = "bert.embeddings.word_embeddings.weight"
-        return keys
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None) -> MaskedLMOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids)

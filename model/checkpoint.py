@@ -67,6 +67,13 @@ SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
         {"BigBirdPegasusForConditionalGeneration": "BigBirdPegasusForConditionalGeneration"},
         "BigBirdPegasusForConditionalGeneration",
     ),
+    # transformers' EncoderDecoderModel with a big_bird encoder and a bert decoder (BERT2BERT)
+    "encoder-decoder": (
+        "longdoc.model.encoder_decoder",
+        "EncoderDecoderConfig",
+        {"EncoderDecoderModel": "EncoderDecoderModel"},
+        "EncoderDecoderModel",
+    ),
 }
 
 # checkpoint keys that are known to be harmless when the model has no such key (regexes)

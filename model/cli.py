@@ -69,6 +69,11 @@ def add_commands(subparsers) -> None:
     w.add_argument("--max-length", type=int, default=4096, help="positions of the new checkpoint")
     w.add_argument("--block-size", type=int, default=64, help="block-sparse attention block size")
     w.add_argument("--num-random-blocks", type=int, default=3, help="random key blocks per query block")
+    w.add_argument("--encoder-decoder", action="store_true",
+                   help="write a BigBird encoder + BERT decoder (transformers' EncoderDecoderModel, the BERT2BERT "
+                        "recipe): both from SOURCE, cross-attention freshly initialised (default: off, a BigBird encoder)")
+    w.add_argument("--decoder-max-length", type=int, default=None,
+                   help="--encoder-decoder: decoder positions (default: the source's position table size)")
     w.set_defaults(func=_warmstart)
 
 
@@ -118,8 +123,18 @@ def _train(args) -> int:
 
 
 def _warmstart(args) -> int:
-    from longdoc.model.warmstart import warm_start
+    from longdoc.model.warmstart import warm_start, warm_start_encoder_decoder
 
+    if args.encoder_decoder:
+        record = warm_start_encoder_decoder(args.source, args.destination, args.max_length,
+                                            decoder_max_length=args.decoder_max_length, block_size=args.block_size,
+                                            num_random_blocks=args.num_random_blocks)
+        print(f"{args.destination}: {record['source_model_type']} -> encoder-decoder (big_bird encoder, bert "
+              f"decoder), positions {record['source_positions']} -> {record['max_length']} (encoder), "
+              f"{record['decoder_max_length']} (decoder); initialised: {len(record['initialised_keys'])} tensors")
+        return 0
+    if args.decoder_max_length is not None:
+        raise ValueError("--decoder-max-length needs --encoder-decoder")
     record = warm_start(
         args.source,
         args.destination,

@@ -333,6 +333,20 @@ class BigBirdPegasusEncoder(nn.Module):
         return self.layernorm_embedding(x)
 
 
+def decoder_step_masks(T: int, P: int, self_attention_mask: torch.Tensor, encoder_attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boolean masks of one cached decoder step over T new tokens after P past ones (True = may
+    attend), shared by every decoder here (Pegasus, `longdoc.model.encoder_decoder`):
+    self (B, T, P+T) = self_attention_mask (B, P+T) and causality (new token i sees j <= P + i);
+    cross (B, 1, S) = encoder_attention_mask (B, S)."""
+    device = self_attention_mask.device
+    key_pos = torch.arange(P + T, device=device)  # (P+T,)
+    query_pos = P + torch.arange(T, device=device)  # (T,)
+    causal = key_pos[None, :] <= query_pos[:, None]  # (T, P+T)
+    self_allowed = causal[None] & self_attention_mask.bool()[:, None, :]  # (B, T, P+T)
+    return self_allowed, encoder_attention_mask.bool()[:, None, :]  # (B, 1, S)
+
+
 class BigBirdPegasusDecoder(nn.Module):
     def __init__(self, cfg: BigBirdPegasusConfig, embed_tokens: ScaledEmbedding):
         super().__init__()
@@ -362,11 +376,7 @@ class BigBirdPegasusDecoder(nn.Module):
         P = 0 if past_kv is None else past_kv[0][0].shape[2]
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # (B, T, C)
         x = F.dropout(x, self.dropout, self.training)
-        key_pos = torch.arange(P + T, device=input_ids.device)  # (P+T,)
-        query_pos = P + torch.arange(T, device=input_ids.device)  # (T,)
-        causal = key_pos[None, :] <= query_pos[:, None]  # (T, P+T)
-        self_allowed = causal[None] & self_attention_mask.bool()[:, None, :]  # (B, T, P+T)
-        cross_allowed = encoder_attention_mask.bool()[:, None, :]  # (B, 1, S)
+        self_allowed, cross_allowed = decoder_step_masks(T, P, self_attention_mask, encoder_attention_mask)
         present = []
         for i, layer in enumerate(self.layers):
             if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:

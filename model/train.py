@@ -136,14 +136,37 @@ def _model_config_source(model: str) -> tuple[dict, Path | None]:
 
 def _check_task_config(task: str, config: dict, where: str) -> None:
     model_type = config.get("model_type")
-    want = "bigbird_pegasus" if task == "summarize" else "big_bird"
-    if model_type != want:
-        raise ValueError(f"{where}: task {task!r} needs a {want!r} model, the config says model_type {model_type!r}")
+    # summarize: BigBird-Pegasus, or the BERT2BERT encoder-decoder of `longdoc warmstart --encoder-decoder`
+    want = ("bigbird_pegasus", "encoder-decoder") if task == "summarize" else ("big_bird",)
+    if model_type not in want:
+        raise ValueError(f"{where}: task {task!r} needs a {' or '.join(map(repr, want))} model, the config says "
+                         f"model_type {model_type!r}")
+
+
+def _encoder_view(config: dict, max_target_length: int) -> dict:
+    """What the data code reads of a model config (vocab_size, max_position_embeddings, the
+    special token ids): an encoder-decoder's encoder config with its top-level token ids (the
+    ones transformers' EncoderDecoderModel uses), after checking the decoder's position table
+    holds --max-target-length. Other configs unchanged."""
+    if config.get("model_type") != "encoder-decoder":
+        return config
+    decoder_positions = config["decoder"].get("max_position_embeddings", 512)
+    if max_target_length > decoder_positions:
+        raise ValueError(f"max_target_length {max_target_length} exceeds the decoder's max_position_embeddings "
+                         f"{decoder_positions}")
+    return {**config["encoder"], **{k: v for k, v in config.items() if k.endswith("_token_id")}}
 
 
 def build_model(task: str, config: dict, plan: str, labels: list[str] | None = None, dropout: float | None = None) -> nn.Module:
     """A randomly initialised task model for a config dict."""
     config = dict(config)
+    if task == "summarize" and config.get("model_type") == "encoder-decoder":
+        from longdoc.model.encoder_decoder import EncoderDecoderConfig, EncoderDecoderModel
+
+        if dropout is not None:
+            for part in ("encoder", "decoder"):
+                config[part] = dict(config[part], hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        return EncoderDecoderModel(EncoderDecoderConfig.from_dict(config), plan=plan)
     if task == "summarize":
         from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration, attention_spec_from_config
 
@@ -320,13 +343,14 @@ class Trainer:
         model_config, source_dir = _model_config_source(str(self.resume_dir or cfg.model))
         _check_task_config(cfg.task, model_config, str(self.resume_dir or cfg.model))
         self.tokenizer, self.tokenizer_path = load_tokenizer(cfg.model, cfg.tokenizer)
-        if self.tokenizer.get_vocab_size() > model_config.get("vocab_size", 0):
+        data_config = _encoder_view(model_config, cfg.max_target_length)
+        if self.tokenizer.get_vocab_size() > data_config.get("vocab_size", 0):
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is "
-                f"{model_config.get('vocab_size')}"
+                f"{data_config.get('vocab_size')}"
             )
-        self.special = D.special_tokens_from(self.tokenizer, model_config, self.tokenizer_path.parent)
-        max_positions = model_config.get("max_position_embeddings", 4096)
+        self.special = D.special_tokens_from(self.tokenizer, data_config, self.tokenizer_path.parent)
+        max_positions = data_config.get("max_position_embeddings", 4096)
         self.max_length = cfg.max_length or max_positions
         if self.max_length > max_positions:
             raise ValueError(f"max_length {self.max_length} exceeds the model's max_position_embeddings {max_positions}")

@@ -235,3 +235,81 @@ def _copy_tokenizer(source: Path, destination: Path, max_length: int) -> list[st
             shutil.copyfile(path, destination / name)
         copied.append(name)
     return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# BERT2BERT: an encoder-decoder warm started from one checkpoint (BigBird paper App. E.5, after
+# Rothe et al. 2020): the encoder is `warm_start`'s BigBird, the decoder the same weights as a BERT
+# decoder (causal self-attention, same embeddings and MLM head), its cross-attention fresh.
+
+
+def warm_start_encoder_decoder(
+    source: str | Path,
+    destination: str | Path,
+    max_length: int = 4096,
+    *,
+    decoder_max_length: int | None = None,
+    block_size: int = 64,
+    num_random_blocks: int = 3,
+    attention_type: str = "block_sparse",
+    seed: int = 0,
+) -> dict:
+    """Write a transformers `EncoderDecoderModel` checkpoint (big_bird encoder, bert decoder) at
+    `destination`: `warm_start` writes the encoder (positions tiled to `max_length`), then the
+    decoder gets the same embeddings, layers and MLM head, positions tiled to
+    `decoder_max_length` (default: the source's table size) by the same rule. Cross-attention
+    (and an MLM head the source lacks) are BERT-initialised from `seed`. Special tokens, the
+    BERT2BERT way: decoder start = [CLS] (or <s>), eos = [SEP] (or </s>), pad = the source's pad.
+    Returns the record written to warmstart.json."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from longdoc.model.encoder_decoder import EncoderDecoderConfig, EncoderDecoderModel
+
+    destination = Path(destination)
+    record = warm_start(source, destination, max_length, block_size=block_size,
+                        num_random_blocks=num_random_blocks, attention_type=attention_type)
+    encoder_config = json.loads((destination / "config.json").read_text())
+    state = {k.removeprefix("bert."): v for k, v in load_file(str(destination / "model.safetensors")).items()}
+    n_dec = record["source_positions"] if decoder_max_length is None else decoder_max_length
+    if n_dec > max_length:
+        raise WarmStartError(f"decoder_max_length {n_dec} exceeds max_length {max_length}")
+    # the encoder table is the source's tiled to max_length; its first rows are the decoder's tiled to n_dec
+    positions = state["embeddings.position_embeddings.weight"][:n_dec].clone()
+
+    decoder_config = {k: encoder_config[k] for k in _SHARED_CONFIG if k in encoder_config}
+    decoder_config.update(model_type="bert", max_position_embeddings=n_dec, is_decoder=True, add_cross_attention=True,
+                          tie_word_embeddings=True, bos_token_id=encoder_config.get("bos_token_id"),
+                          eos_token_id=encoder_config.get("eos_token_id"))
+    encoder_config.pop("architectures", None)
+    config = EncoderDecoderConfig.from_dict({
+        "model_type": "encoder-decoder", "encoder": encoder_config, "decoder": decoder_config,
+        "decoder_start_token_id": encoder_config.get("bos_token_id"), "eos_token_id": encoder_config.get("eos_token_id"),
+        "pad_token_id": encoder_config.get("pad_token_id", 0)})
+    torch.manual_seed(seed)  # the fresh parts: BERT init (EncoderDecoderModel's constructor)
+    model = EncoderDecoderModel(config)
+    out = {f"encoder.{k}": v for k, v in state.items() if not k.startswith("cls.")}
+    for k, v in state.items():
+        if k.startswith(("embeddings.", "encoder.")):
+            out[f"decoder.bert.{k}"] = v.clone()
+        elif k.startswith("cls.predictions.") and not k.startswith("cls.predictions.decoder."):
+            out[f"decoder.{k}"] = v.clone()  # the MLM head; its decoder weight is the tied embedding
+    out["decoder.bert.embeddings.position_embeddings.weight"] = positions
+    own = model.state_dict()
+    fresh = sorted(k for k in own if k not in out and k not in model.tied_weights())
+    for k in fresh:
+        out[k] = own[k].detach().clone()
+    from longdoc.model.checkpoint import load_state_dict_strict
+
+    load_state_dict_strict(model, out, source=str(destination))  # every key and shape accounted for
+    save_file({k: v.contiguous() for k, v in out.items()}, str(destination / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = config.to_dict()
+    cfg["architectures"] = ["EncoderDecoderModel"]
+    (destination / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    record.update(architecture="EncoderDecoderModel", decoder_max_length=n_dec,
+                  decoder_position_rule=f"row i = source row (i mod {record['source_positions']})",
+                  initialised_keys=[f"encoder.{k.removeprefix('bert.')}" for k in record["initialised_keys"]] + fresh,
+                  seed=seed)
+    (destination / "warmstart.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -11,7 +11,7 @@ import torch
 
 from longdoc.model.checkpoint import load_pretrained
 from longdoc.model.lengths import full_attention_max_length
-from tests.model.conftest import SEP, random_batch
+from tests.model.conftest import SEP, random_batch, tiny_config
 
 TOL = 1e-5
 
@@ -208,3 +208,22 @@ def test_losses_match_transformers(hf_checkpoint, arch, labels):
         got = ours(ids, attention_mask=mask, **labels).loss
     assert want is not None and got is not None
     assert abs(want.item() - got.item()) <= 1e-5
+
+
+def test_untied_mlm_head_uses_the_decoders_own_bias(tmp_path):
+    """`tie_word_embeddings=False`: transformers keeps `cls.predictions.bias` and the decoder's
+    bias apart and its logits use `cls.predictions.decoder.bias`; a checkpoint whose two biases
+    differ gives transformers' logits (they were off by 3.8 when the two were one parameter)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.BigBirdForMaskedLM(tiny_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        hf.cls.predictions.decoder.bias.normal_()
+        hf.cls.predictions.bias.normal_()
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, plan="hf-eval")
+    ids, mask = random_batch(2, 150, seed=1, pad_tail=7)
+    with torch.no_grad():
+        diffs = compare(hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask), mask)
+    assert max(diffs.values()) <= TOL, diffs

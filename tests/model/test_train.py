@@ -439,7 +439,7 @@ def test_warmstart_cli_and_unknown_type(tmp_path, capsys):
 
 
 def test_clear_errors_for_wrong_model_or_precision(work):
-    with pytest.raises(ValueError, match="task 'summarize' needs a 'bigbird_pegasus' model"):
+    with pytest.raises(ValueError, match="task 'summarize' needs a 'bigbird_pegasus' or 'encoder-decoder' model"):
         train(TrainConfig(task="summarize", model=str(work / "bigbird" / "config.json"),
                           train=str(work / "summarize.jsonl"), output=str(work / "x")))
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -1,0 +1,138 @@
+"""`longdoc export` / `longdoc verify` / `longdoc serve` with the BERT2BERT encoder-decoder
+(transformers' EncoderDecoderModel: big_bird encoder, bert decoder), tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny_models import CLS, PAD, SEP, tiny_tokenizer, vocab_size
+
+transformers = pytest.importorskip("transformers")
+
+
+def make_b2b_checkpoint(directory, seed: int = 0):
+    """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
+    blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;
+    decoder start [CLS], eos [SEP], the BERT2BERT way."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  initializer_range=0.25, pad_token_id=PAD)
+    enc = transformers.BigBirdConfig(**common, max_position_embeddings=512, block_size=16, num_random_blocks=2,
+                                     sep_token_id=SEP)
+    dec = transformers.BertConfig(**common, max_position_embeddings=64, is_decoder=True, add_cross_attention=True)
+    cfg = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = CLS, PAD, SEP
+    model = transformers.EncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a non-zero output bias, and eos likely enough to end some summaries
+        model.decoder.cls.predictions.bias.normal_(0, 0.5)
+        model.decoder.cls.predictions.bias[SEP] += 2.0
+    model.save_pretrained(directory)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def b2b(tmp_path_factory):
+    root = tmp_path_factory.mktemp("b2b")
+    return make_b2b_checkpoint(root / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def exported(b2b, tmp_path_factory):
+    from longdoc.export.exporter import export_model
+
+    out = {}
+
+    def get(dtype):
+        if dtype not in out:
+            out[dtype] = tmp_path_factory.mktemp("export") / dtype
+            export_model(b2b, out[dtype], "summarize", dtype=dtype, progress=lambda _m: None)
+        return out[dtype]
+
+    return get
+
+
+def test_manifest_says_summarize_with_both_graphs(exported, b2b):
+    manifest = json.loads((exported("fp32") / "manifest.json").read_text())
+    assert manifest["task"] == "summarize" and manifest["architecture"] == "EncoderDecoderModel"
+    assert manifest["graphs"] == {"encoder": "encoder.onnx", "decoder": "decoder.onnx"}
+    assert manifest["decoder"]["num_layers"] == 2 and manifest["decoder"]["max_positions"] == 64
+    assert (manifest["hidden_size"], manifest["block_size"], manifest["max_length"]) == (32, 16, 512)
+    assert manifest["full_attention_max_length"] == 144 and manifest["attention"]["pattern"] == "bigbird"
+    special = manifest["special_tokens"]
+    assert (special["decoder_start"], special["eos"], special["pad"]) == (CLS, SEP, PAD)
+    from longdoc.export.census import check_graph
+
+    for graph in ("encoder.onnx", "decoder.onnx"):  # standard ops only, every layer's attention present
+        assert check_graph(str(exported("fp32") / graph)) == []
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_verify_passes_on_the_exported_checkpoint(exported, b2b, dtype):
+    from longdoc.export.verify import verify_model
+
+    report = verify_model(exported(dtype), b2b, lengths=[16, 144, 145, 250], progress=lambda _m: None,
+                          max_new_tokens=6)
+    assert report.ok, report.summary()
+    kinds = {c.what for c in report.checks}
+    assert {"decoder logits", "greedy tokens", "beam(3) tokens"} <= kinds
+    fp32 = max(c.max_abs_diff for c in report.checks if c.max_abs_diff is not None)
+    assert fp32 <= (1e-4 if dtype == "fp32" else 1e-1)
+
+
+def test_verify_against_transformers_itself(exported, b2b):
+    from longdoc.export.verify import verify_model
+
+    report = verify_model(exported("fp32"), b2b, against="transformers", lengths=[40, 250],
+                          progress=lambda _m: None, max_new_tokens=6)
+    assert report.ok, report.summary()
+
+
+def test_verify_fails_on_a_wrong_checkpoint(exported, tmp_path):
+    from longdoc.export.verify import VerifyError, verify_model
+
+    other = make_b2b_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(VerifyError, match="not the checkpoint this model was exported from"):
+        verify_model(exported("fp32"), other, progress=lambda _m: None)
+    report = verify_model(exported("fp32"), other, lengths=[40, 250], allow_other_checkpoint=True,
+                          progress=lambda _m: None, max_new_tokens=6)
+    assert not report.ok
+    assert any(c.what == "decoder logits" and c.max_abs_diff > 1e-2 for c in report.checks)
+
+
+def test_real_serve_summarizes_like_the_pytorch_reference(exported, b2b, tmp_path):
+    from longdoc.model import load_pretrained
+    from tests.service.conftest import ServeProcess
+
+    words = "the water of a river is cold and the boy saw a fish in the sea near the farm".split()
+    rng = np.random.default_rng(3)
+    docs = [" ".join(rng.choice(words, n)) for n in (30, 200)]  # full attention / block-sparse
+    tok = tiny_tokenizer()
+    reference = load_pretrained(b2b)
+    want = []
+    for doc in docs:  # the service's input: document tokens + eos (export/windows.py summarize_window)
+        ids = torch.tensor([tok.encode(doc, add_special_tokens=False).ids + [SEP]])
+        row = reference.generate(ids, max_new_tokens=12)[0, 1:].tolist()  # without the start token
+        want.append(row[: row.index(SEP)] if SEP in row else row)
+    assert any(len(w) > 2 for w in want)
+    with ServeProcess(["--model", f"b2b={exported('fp32')}", "--no-warmup"], tmp_path / "serve.log") as s:
+        for doc, tokens in zip(docs, want):
+            events, name = [], None
+            with httpx.stream("POST", s.url + "/v1/summarize",
+                              json={"document": doc, "stream": True, "max_new_tokens": 12}, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("event: "):
+                        name = line[7:]
+                    elif line.startswith("data: "):
+                        events.append((name, json.loads(line[6:])))
+            assert [d["id"] for n, d in events if n == "token"] == tokens
+            assert events[-1][0] == "done"
+        models = httpx.get(s.url + "/v1/models", timeout=10).json()
+        assert "b2b" in json.dumps(models) and "summarize" in json.dumps(models)

@@ -71,9 +71,10 @@ def _positions(g: GraphBuilder, input_ids: str) -> str:
 # --- BigBird encoder -----------------------------------------------------------------------
 
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None):
+                          sep_token_id: int | None = None, int8_attention: str = "off"):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
-    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
+    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V).
+    int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
     E, H = config["hidden_size"], config["num_attention_heads"]
     bs, eps, act = config["block_size"], config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
@@ -92,7 +93,7 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
                                    "positions")])  # (B, S, E)
     x = g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
-    ctx = attention_context(g, mask, bs, H, E // H, sparse)
+    ctx = attention_context(g, mask, bs, H, E // H, sparse, int8=int8_attention)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -160,7 +161,7 @@ def _pegasus_dims(config: dict) -> dict:
             "act": config.get("activation_function", "gelu_new")}
 
 
-def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
     """input_ids, attention_mask (B, S) [+ layout inputs] -> last_hidden_state (B, S, E) and,
     per decoder layer l, cross_key_l / cross_value_l (B, H, S, D)."""
     dims = _pegasus_dims(config)
@@ -174,7 +175,7 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."

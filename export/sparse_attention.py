@@ -21,9 +21,9 @@ table: K = nb, every row lists every key block, which is exact full attention.
 
 int8 attention (`longdoc export --int8-attention`, INT8_ATTENTION): both products, Q.K^T and P.V,
 run as MatMulInteger on 8-bit operands, each rescaled by the product of its operands' scales
-(Cast + Mul, the pattern ONNX Runtime fuses into one MatMulIntegerToFloat kernel). Q, K and V are
-quantized once per head group, before the key/value blocks are gathered, so the Gathers move
-bytes, not floats:
+(Cast + Mul). K and V are quantized once per head group, before their blocks are gathered, so the
+Gathers move bytes, not floats; the left operands (Q, P) are quantized right at their products, so
+that ONNX Runtime fuses quantize + product + rescale into one DynamicQuantizeMatMul kernel:
 
     dynamic     DynamicQuantizeLinear (uint8, per tensor, with zero point) on Q, K, V and P
     dynamic-s8  Q and P as `dynamic`; K and V symmetric int8 (scale max|x| / 127, zero point 0),
@@ -114,7 +114,7 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
     to (B,H,T,S); int8: INT8_ATTENTION."""
     q = g.op("Mul", [q, g.fconst(scale)])
     if int8 != "off":
-        q, k, v = quantize_left(g, q, int8), quantize_right(g, k, int8), quantize_right(g, v, int8)
+        k, v = quantize_right(g, k, int8), quantize_right(g, v, int8)
     scores = matmul(g, q, transpose_right(g, k, [0, 1, 3, 2]))  # (B, H, T, S)
     probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
     return matmul(g, quantize_probs(g, probs, int8), v)  # (B, H, T, D)
@@ -156,26 +156,20 @@ def _symmetric_int8(g: GraphBuilder, x: str) -> Quantized:
     return Quantized(g.op("QuantizeLinear", [x, scale, zero_point]), scale, zero_point)
 
 
-def quantize_left(g: GraphBuilder, x: str, mode: str) -> Quantized:
-    """The left operand of Q.K^T (queries): uint8 per tensor in every int8 mode."""
-    return _dynamic_uint8(g, x)
-
-
 def quantize_right(g: GraphBuilder, x: str, mode: str) -> Quantized:
     """Keys and values: uint8 with zero point (`dynamic`) or symmetric int8 (the others)."""
     return _dynamic_uint8(g, x) if mode == "dynamic" else _symmetric_int8(g, x)
 
 
 def quantize_probs(g: GraphBuilder, probs: str, mode: str):
-    """The left operand of P.V (softmax output in [0, 1], last axis = keys)."""
-    if mode == "off":
+    """The left operand of P.V (softmax output in [0, 1], last axis = keys); `off`, `dynamic` and
+    `dynamic-s8` leave it float (`matmul` quantizes it at the product)."""
+    if mode in ("off", "dynamic", "dynamic-s8"):
         return probs
     if mode == "static-p":
         scale = g.fconst(1.0 / 255.0)
         zero_point = g.const(0, dtype=np.uint8, hint="uint8_zero")
         return Quantized(g.op("QuantizeLinear", [probs, scale, zero_point]), scale, zero_point)
-    if mode != "per-row":
-        return _dynamic_uint8(g, probs)
     # per-row: QuantizeLinear's per-axis form over the rows of a 2-D view, scale = row max / 255
     keys = g.op("Slice", [g.op("Shape", [probs]), g.const([-1]), g.const([2**62])])  # (1,) keys per row
     rows = g.op("Reshape", [probs, g.op("Concat", [g.const([-1]), keys], axis=0)])  # (R, keys)
@@ -188,9 +182,14 @@ def quantize_probs(g: GraphBuilder, probs: str, mode: str):
 
 
 def matmul(g: GraphBuilder, a, b) -> str:
-    """a @ b (batched) for float or Quantized operands (both of one kind); float result."""
-    if not isinstance(a, Quantized):
+    """a @ b (batched), float result. Float a and b: MatMul. Quantized b: a float `a` is quantized
+    here, right at its product (DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul, which ONNX
+    Runtime fuses into one DynamicQuantizeMatMul kernel; an `a` quantized earlier and reshaped or
+    shared by two products left the rescale as separate passes over the scores)."""
+    if not isinstance(b, Quantized):
         return g.op("MatMul", [a, b])
+    if not isinstance(a, Quantized):
+        a = _dynamic_uint8(g, a)
     inputs = [a.data, b.data, a.zero_point or "", b.zero_point or ""]
     while inputs[-1] == "":
         inputs.pop()
@@ -200,7 +199,17 @@ def matmul(g: GraphBuilder, a, b) -> str:
 
 def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
                            ctx: AttentionContext) -> str:
-    """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here."""
+    """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here.
+    Its nodes are named `<layer scope>attn/...` (bench/profile_ops.py tells attention from dense layers by it)."""
+    outer = g.scope
+    g.scope = f"{outer}attn/"
+    try:
+        return _block_sparse_attention(g, q, k, v, layer, ctx)
+    finally:
+        g.scope = outer
+
+
+def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int, ctx: AttentionContext) -> str:
     bs, D = ctx.block_size, ctx.head_dim
     scale = 1.0 / float(np.sqrt(D))
     q, k, v = (split_heads(g, t, ctx) for t in (q, k, v))  # (B, H, S, D)
@@ -245,9 +254,9 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     """One group of h heads: q (scaled), k, v (B, h, S, D); key_blocks, valid (h, nb, K);
     head_offset (h, 1, 1) -> (B, h, nb, bs, D)."""
     bs, D = ctx.block_size, ctx.head_dim
-    if ctx.int8 != "off":  # quantized once per group, before any block is gathered
-        q, k, v = quantize_left(g, q, ctx.int8), quantize_right(g, k, ctx.int8), quantize_right(g, v, ctx.int8)
-    qb = _map(g, q, "Reshape", [g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
+    if ctx.int8 != "off":  # once per group, before any block is gathered (queries: at their products)
+        k, v = quantize_right(g, k, ctx.int8), quantize_right(g, v, ctx.int8)
+    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
     k_flat = _map(g, k, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
     v_flat = _map(g, v, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
     flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
@@ -269,8 +278,8 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     sparse_out = matmul(g, probs, vg)  # (B, h, nb, bs, D)
 
     # global rows: their query blocks attend to every key
-    qg = _map(g, qb, "Gather", ["global_blocks"], axis=2)  # (B, h, G, bs, D)
-    qg = _map(g, qg, "Reshape", [g.const([0, 0, -1, D])])  # (B, h, G*bs, D)
+    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, D)
+    qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, h, G*bs, D)
     g_scores = matmul(g, qg, transpose_right(g, k, [0, 1, 3, 2]))  # (B, h, G*bs, S)
     g_probs = quantize_probs(g, g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1), ctx.int8)
     global_out = g.op("Reshape", [matmul(g, g_probs, v), g.const([0, 0, -1, bs, D])])  # (B,h,G,bs,D)

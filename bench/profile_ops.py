@@ -147,9 +147,17 @@ def report(model_dir: Path, events: list[dict], S: int, peaks: dict, shape_peaks
         gemm = sum(t for op, t in ops.items() if op in _GEMM_OPS)
         flops = dense_gemm_flops(S) if part == "dense" else attention_gemm_flops(S)
         top = ", ".join(f"{op} {t:.3f}" for op, t in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+        int8 = any(op in ops for op in ("MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"))
+        if part == "dense":
+            peak, against = peaks["int8" if int8 else "fp32"], f"2048^3 {'int8' if int8 else 'fp32'}"
+        else:  # the attention's own shapes, the mean of its two products' peaks
+            kind = "u8s8" if int8 else "fp32"
+            peak, against = (shape_peaks[f"QK {kind}"] + shape_peaks[f"PV {kind}"]) / 2, f"its shapes, {kind}"
+        rate = flops / gemm / 1e9
         print(f"  {part}: {part_total:.3f} s ({100 * part_total / total:.0f}%); its products {gemm:.3f} s for "
-              f"{flops / 1e9:.0f} GFLOP = {flops / gemm / 1e9:.0f} GOP/s; top: {top}")
-        out[part] = {"s": part_total, "gemm_s": gemm, "gflop": flops / 1e9, "gops": flops / gemm / 1e9,
+              f"{flops / 1e9:.0f} GFLOP = {rate:.0f} GOP/s, {100 * rate / peak:.0f}% of the peak ({against} "
+              f"{peak:.0f}); top: {top}")
+        out[part] = {"s": part_total, "gemm_s": gemm, "gflop": flops / 1e9, "gops": rate, "peak_gops": peak,
                      "ops": dict(ops)}
     return out
 

@@ -151,3 +151,15 @@ def test_cli_option_reaches_the_manifest(qa_checkpoint, tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "longdoc", "export", "--help"], capture_output=True,
                                text=True).stdout
     assert "--int8-attention" in help_text and "default: off" in help_text
+
+
+def test_summarizer_encoder_runs_its_attention_in_int8(tmp_path):
+    """BigBird-Pegasus's encoder shares the block-sparse attention: int8 there too, the decoder's
+    attention (dense, over the cache) stays float; greedy tokens still agree (int8's criteria)."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "summarize", init_std=0.1)  # test_verify.py's shape
+    export_model(ckpt, tmp_path / "model", "summarize", dtype="int8", int8_attention="dynamic-s8", progress=quiet)
+    encoder, decoder = (onnx.load(str(tmp_path / "model" / f"{n}.onnx")) for n in ("encoder", "decoder"))
+    assert attention_int8_matmuls(encoder) == {"enc0/": 4, "enc1/": 4}
+    assert not attention_int8_matmuls(decoder)
+    report = verify_model(tmp_path / "model", ckpt, progress=quiet, threads=1, lengths=[16, 300])
+    assert report.ok, report.summary()

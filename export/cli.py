@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from longdoc.export.manifest import INT8_ATTENTION
 from longdoc.export.verify import Agreement
 
 
@@ -19,6 +20,12 @@ def add_commands(subparsers) -> None:
                    help="what the model directory serves (required; must match the checkpoint's architecture)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"],
                    help="weights of the graphs; int8: dynamic quantization of the MatMul weights (default: fp32)")
+    p.add_argument("--int8-attention", default="off",
+                   choices=INT8_ATTENTION,
+                   help="with --dtype int8, also run the encoder attention's two products (Q.K^T, P.V) as "
+                        "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
+                        "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
+                        "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],
@@ -88,8 +95,10 @@ def _export(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
-                     progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite)
-    print(f"exported {m.architecture} ({m.task}, {m.dtype}) to {args.output_dir} in "
+                     progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite,
+                     int8_attention=args.int8_attention)
+    dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
+    print(f"exported {m.architecture} ({m.task}, {dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"
           f"  graphs: {', '.join(m.graphs.values())}; layers {m.num_layers}, heads {m.num_heads}, "
           f"hidden {m.hidden_size}\n"

@@ -16,7 +16,7 @@ from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECT
                                      SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder, build_b2b_encoder,
                                      build_bigbird_encoder, build_longformer_encoder, build_pegasus_decoder,
                                      build_pegasus_encoder, longformer_block_size)
-from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
+from longdoc.export.manifest import INT8_ATTENTION, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids
@@ -119,12 +119,13 @@ def encoder_config(config: dict) -> dict:
     return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
 
 
-def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, progress) -> tuple[dict, tuple, dict]:
+def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, int8_attention: str,
+                      progress) -> tuple[dict, tuple, dict]:
     """-> (graphs, (hidden_size, heads, layers) of the encoder, the manifest's decoder dims)."""
     if config["model_type"] == "encoder-decoder":
         enc, dec = config["encoder"], config["decoder"]
         progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {graph_dtype})")
-        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse)}
+        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse, int8_attention)}
         progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {graph_dtype})")
         graphs["decoder"] = build_b2b_decoder(weights, config, graph_dtype)
         dims = (enc["hidden_size"], enc["num_attention_heads"], enc["num_hidden_layers"])
@@ -133,7 +134,7 @@ def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: 
                    "max_positions": dec["max_position_embeddings"]}
         return graphs, dims, decoder
     progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
-    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse)}
+    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse, int8_attention)}
     progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
     graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
     dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
@@ -194,13 +195,19 @@ def check_output_dir(output_dir: Path, checkpoint_dir: Path, overwrite: bool) ->
 
 def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
                  plan: str = "hf-train", progress: Callable[[str], None] = print,
-                 overwrite: bool = False) -> Manifest:
-    """Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
+                 overwrite: bool = False, int8_attention: str = "off") -> Manifest:
+    """int8_attention: the encoder's attention products in int8 too (INT8_ATTENTION; needs dtype int8).
+
+    Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
     export leaves nothing half-written, and an export it replaces (`overwrite`) stays whole until then."""
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     check_output_dir(output_dir, checkpoint_dir, overwrite)
     if dtype not in ("fp32", "fp16", "int8"):
         raise CheckpointError(f"dtype {dtype!r} is not one of fp32, fp16, int8")
+    if int8_attention not in INT8_ATTENTION:
+        raise CheckpointError(f"int8 attention {int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
+    if int8_attention != "off" and dtype != "int8":
+        raise CheckpointError(f"--int8-attention {int8_attention} needs --dtype int8 (got {dtype})")
     if plan not in PLANS:
         raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
     config = read_config(checkpoint_dir)
@@ -213,6 +220,10 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     weights = Weights(read_weights(checkpoint_dir))
     enc = encoder_config(config)
     longformer = config["model_type"] == "longformer"
+    if longformer and int8_attention != "off":
+        raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
+                              "block-sparse BigBird attention; Longformer's band and global tokens run in fp32 "
+                              "(use --int8-attention off)")
     sparse = longformer or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
     bs = encoder_block_size(config)
@@ -220,7 +231,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
 
     graphs = {}
     if task == "summarize":
-        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, progress)
+        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, int8_attention, progress)
         decoder["generation"] = generation_defaults(checkpoint_dir, config)
     elif longformer:
         progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
@@ -230,7 +241,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     else:
         progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
-                                                  sep_token_id=config.get("sep_token_id"))
+                                                  sep_token_id=config.get("sep_token_id"),
+                                                  int8_attention=int8_attention)
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
@@ -246,7 +258,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         for name, model in graphs.items():
             path = staging / f"{name}.onnx"
             if dtype == "int8":
-                progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights)")
+                progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights; attention: {int8_attention})")
                 quantize_int8(model, path)
             else:
                 save_model(model, path)
@@ -270,7 +282,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
             global_tokens=LONGFORMER_GLOBAL_TOKENS[task] if longformer else "none",
-            special_tokens=special, decoder=decoder,
+            special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)

@@ -113,13 +113,14 @@ def _bert_embeddings(g: GraphBuilder, w: Weights, config: dict, p: str, ids: str
     return g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
 
-def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool) -> str:
+def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool,
+                   int8_attention: str = "off") -> str:
     """The BigBird encoder layers under prefix p (`{p}encoder.layer.N.`), block-sparse over the
     layout inputs or full: (B, S, E) -> (B, S, E). BigBirdFor* (p "bert.") and the BERT2BERT
-    encoder (p "encoder.") both run this."""
+    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
     E, H = config["hidden_size"], config["num_attention_heads"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -131,9 +132,10 @@ def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, ma
 
 
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None):
+                          sep_token_id: int | None = None, int8_attention: str = "off"):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
-    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
+    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V).
+    int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
     E = config["hidden_size"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
@@ -145,7 +147,7 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
 
     p = "bert."
     x = _bert_embeddings(g, w, config, p, ids, types, _positions(g, ids))
-    x = _bigbird_stack(g, w, config, p, x, mask, sparse)
+    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention)
     g.scope = "head/"
 
     if task == "qa":
@@ -263,7 +265,7 @@ def _pegasus_dims(config: dict) -> dict:
             "act": config.get("activation_function", "gelu_new")}
 
 
-def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
     """input_ids, attention_mask (B, S) [+ layout inputs] -> last_hidden_state (B, S, E) and,
     per decoder layer l, cross_key_l / cross_value_l (B, H, S, D)."""
     dims = _pegasus_dims(config)
@@ -277,7 +279,7 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
@@ -407,7 +409,7 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
 
 # --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------
 
-def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
     """The `encoder-decoder` config's BigBird encoder: input_ids, attention_mask (B, S) [+ layout
     inputs] -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
     (B, H, S, D), as `build_pegasus_encoder` (token types are 0, transformers' default)."""
@@ -418,7 +420,7 @@ def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     if sparse:
         declare_layout_inputs(g)
     x = _bert_embeddings(g, w, enc, "encoder.", ids, None, _positions(g, ids))
-    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse)
+    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention)
     g.scope = "cross/"
     g.output(x, "last_hidden_state", None, ["batch", "sequence", enc["hidden_size"]])
     lp = "decoder.bert.encoder.layer.{}.crossattention.self."

@@ -31,6 +31,20 @@ things to the same sparse rows, and takes no `global_blocks` / `block_source` in
                   attends to every key with the global projections, and a Where picks it
                   (CumSum of the mask gives each position its slot). No Loop/If/Scan.
 
+int8 attention (`longdoc export --int8-attention`, INT8_ATTENTION): both products, Q.K^T and P.V,
+run as MatMulInteger on 8-bit operands, each rescaled by the product of its operands' scales
+(Cast + Mul). K and V are quantized once per head group, before their blocks are gathered, so the
+Gathers move bytes, not floats; the left operands (Q, P) are quantized right at their products, so
+that ONNX Runtime fuses quantize + product + rescale into one DynamicQuantizeMatMul kernel:
+
+    dynamic     DynamicQuantizeLinear (uint8, per tensor, with zero point) on Q, K, V and P
+    dynamic-s8  Q and P as `dynamic`; K and V symmetric int8 (scale max|x| / 127, zero point 0),
+                so the products are uint8 x int8, the pair AVX-512 VNNI multiplies natively
+    per-row     as `dynamic-s8`, but every row of P gets its own scale (row max / 255): a flat
+                row (p ~ 1/K) keeps its resolution next to a peaked one
+    static-p    as `dynamic-s8`, but P with the fixed scale 1/255 (its range is [0, 1] by
+                construction, no calibration needed)
+
 This module builds graphs and needs the `onnx` package; the host side that serving needs (the
 input names `LAYOUT_INPUTS`, the feeds) is export/layout_feed.py, which does not.
 """
@@ -43,6 +57,7 @@ import numpy as np
 from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
+from longdoc.export.manifest import INT8_ATTENTION
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 
@@ -62,6 +77,7 @@ class AttentionContext:
     band: int = 0  # > 0: keys at most `band` tokens from the query count in sparse rows (Longformer)
     global_tokens: GlobalTokenInputs | None = None  # per-request global tokens (Longformer)
     layout_global_rows: bool = True  # the layout's global query blocks (`global_blocks` input)
+    int8: str = "off"  # one of INT8_ATTENTION
 
     def head_groups(self) -> list[tuple[int, int]]:
         """[start, stop) head ranges, computed one after another (the last may be shorter)."""
@@ -130,20 +146,23 @@ def longformer_context(g: GraphBuilder, attention_mask: str, global_attention_ma
 
 
 def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
-                      head_dim: int, sparse: bool, heads_per_group: int | None = None) -> AttentionContext:
-    """heads_per_group: None = HEADS_PER_GROUP, 0 = all heads in one group."""
+                      head_dim: int, sparse: bool, heads_per_group: int | None = None,
+                      int8: str = "off") -> AttentionContext:
+    """heads_per_group: None = HEADS_PER_GROUP, 0 = all heads in one group; int8: INT8_ATTENTION."""
+    if int8 not in INT8_ATTENTION:
+        raise ValueError(f"int8 attention {int8!r} is not one of {', '.join(INT8_ATTENTION)}")
     m = g.to_float(attention_mask)  # (B, S) 1.0 = real token
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), m]), g.fconst(NEG_INF)])
     key_bias = g.op("Unsqueeze", [bias, g.const([1, 2])])  # (B, 1, 1, S)
     per_group = HEADS_PER_GROUP if heads_per_group is None else heads_per_group
     per_group = min(per_group, num_heads) if per_group > 0 else 0
     if not sparse:
-        return AttentionContext(block_size, num_heads, head_dim, key_bias, None, None, False, per_group)
+        return AttentionContext(block_size, num_heads, head_dim, key_bias, None, None, False, per_group, int8=int8)
     key_mask_blocks = g.op("Reshape", [m, g.const([0, -1, block_size])])  # (B, nb, bs)
     nb = g.op("Gather", [g.op("Shape", [key_mask_blocks]), g.const(1)], axis=0)  # scalar
     head_offset = g.op("Mul", [g.const(np.arange(num_heads).reshape(num_heads, 1, 1)), nb])  # (H,1,1)
     return AttentionContext(block_size, num_heads, head_dim, key_bias, key_mask_blocks, head_offset, True,
-                            per_group)
+                            per_group, int8=int8)
 
 
 def split_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
@@ -158,20 +177,110 @@ def merge_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
     return g.op("Reshape", [x, g.const([0, 0, ctx.num_heads * ctx.head_dim])])
 
 
-def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float) -> str:
+def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float, int8: str = "off") -> str:
     """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
-    to (B,H,T,S)."""
+    to (B,H,T,S); int8: INT8_ATTENTION."""
     q = g.op("Mul", [q, g.fconst(scale)])
-    scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, H, T, S)
+    if int8 != "off":
+        k, v = quantize_right(g, k, int8), quantize_right(g, v, int8)
+    scores = matmul(g, q, transpose_right(g, k, [0, 1, 3, 2]))  # (B, H, T, S)
     probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
-    return g.op("MatMul", [probs, v])  # (B, H, T, D)
+    return matmul(g, quantize_probs(g, probs, int8), v)  # (B, H, T, D)
+
+
+# --- int8 attention (module docstring) ---------------------------------------------------------
+# A tensor is either a float tensor's name (str) or a Quantized one; every op the attention applies
+# to a key/value tensor before its product (Reshape, Gather, Transpose, Slice) applies to the
+# 8-bit data and leaves scale and zero point alone, since they are per tensor.
+
+@dataclass(frozen=True)
+class Quantized:
+    data: str  # uint8 or int8, the float tensor's shape
+    scale: str  # scalar, or (..., rows, 1) for per-row probabilities
+    zero_point: str | None  # scalar; None = 0 (per-row rows have no zero point input)
+
+
+def _map(g: GraphBuilder, x, op: str, inputs: list[str], **attrs):
+    """Apply a data-movement op to a float tensor or to a Quantized one's data."""
+    if isinstance(x, Quantized):
+        return Quantized(g.op(op, [x.data, *inputs], **attrs), x.scale, x.zero_point)
+    return g.op(op, [x, *inputs], **attrs)
+
+
+def transpose_right(g: GraphBuilder, x, perm: list[int]):
+    return _map(g, x, "Transpose", [], perm=perm)
+
+
+def _dynamic_uint8(g: GraphBuilder, x: str) -> Quantized:
+    data, scale, zero_point = g.op("DynamicQuantizeLinear", [x], n_out=3)
+    return Quantized(data, scale, zero_point)
+
+
+def _symmetric_int8(g: GraphBuilder, x: str) -> Quantized:
+    """Per tensor, zero point 0: scale = max|x| / 127 (never 0: an all-zero x gets a tiny scale)."""
+    amax = g.op("Max", [g.op("ReduceMax", [x], keepdims=0), g.op("Neg", [g.op("ReduceMin", [x], keepdims=0)])])
+    scale = g.op("Max", [g.op("Div", [amax, g.fconst(127.0)]), g.fconst(1e-30)])
+    zero_point = g.const(0, dtype=np.int8, hint="int8_zero")
+    return Quantized(g.op("QuantizeLinear", [x, scale, zero_point]), scale, zero_point)
+
+
+def quantize_right(g: GraphBuilder, x: str, mode: str) -> Quantized:
+    """Keys and values: uint8 with zero point (`dynamic`) or symmetric int8 (the others)."""
+    return _dynamic_uint8(g, x) if mode == "dynamic" else _symmetric_int8(g, x)
+
+
+def quantize_probs(g: GraphBuilder, probs: str, mode: str):
+    """The left operand of P.V (softmax output in [0, 1], last axis = keys); `off`, `dynamic` and
+    `dynamic-s8` leave it float (`matmul` quantizes it at the product)."""
+    if mode in ("off", "dynamic", "dynamic-s8"):
+        return probs
+    if mode == "static-p":
+        scale = g.fconst(1.0 / 255.0)
+        zero_point = g.const(0, dtype=np.uint8, hint="uint8_zero")
+        return Quantized(g.op("QuantizeLinear", [probs, scale, zero_point]), scale, zero_point)
+    # per-row: QuantizeLinear's per-axis form over the rows of a 2-D view, scale = row max / 255
+    keys = g.op("Slice", [g.op("Shape", [probs]), g.const([-1]), g.const([2**62])])  # (1,) keys per row
+    rows = g.op("Reshape", [probs, g.op("Concat", [g.const([-1]), keys], axis=0)])  # (R, keys)
+    scale = g.op("Max", [g.op("Div", [g.op("ReduceMax", [rows, g.const([1])], keepdims=0), g.fconst(255.0)]),
+                         g.fconst(1e-30)])  # (R,)
+    data = g.op("Reshape", [g.op("QuantizeLinear", [rows, scale], axis=0), g.op("Shape", [probs])])
+    row_scale = g.op("Reshape", [scale, g.op("Concat", [g.op("Slice", [g.op("Shape", [probs]), g.const([0]),
+                                                                      g.const([-1])]), g.const([1])], axis=0)])
+    return Quantized(data, row_scale, None)  # row_scale (..., rows, 1)
+
+
+def matmul(g: GraphBuilder, a, b) -> str:
+    """a @ b (batched), float result. Float a and b: MatMul. Quantized b: a float `a` is quantized
+    here, right at its product (DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul, which ONNX
+    Runtime fuses into one DynamicQuantizeMatMul kernel; an `a` quantized earlier and reshaped or
+    shared by two products left the rescale as separate passes over the scores)."""
+    if not isinstance(b, Quantized):
+        return g.op("MatMul", [a, b])
+    if not isinstance(a, Quantized):
+        a = _dynamic_uint8(g, a)
+    inputs = [a.data, b.data, a.zero_point or "", b.zero_point or ""]
+    while inputs[-1] == "":
+        inputs.pop()
+    acc = g.op("MatMulInteger", inputs)  # int32
+    return g.op("Mul", [g.op("Cast", [acc], to=TensorProto.FLOAT), g.op("Mul", [a.scale, b.scale])])
 
 
 def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
                            ctx: AttentionContext, global_qkv: tuple[str, str, str] | None = None) -> str:
     """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here.
     global_qkv (with ctx.global_tokens): the global tokens' own rows' projections, q (B, G, H*D) at
-    the G slots of `ctx.global_tokens.index`, k, v (B, S, H*D)."""
+    the G slots of `ctx.global_tokens.index`, k, v (B, S, H*D). Its nodes are named
+    `<layer scope>attn/...` (bench/profile_ops.py tells attention from dense layers by it)."""
+    outer = g.scope
+    g.scope = f"{outer}attn/"
+    try:
+        return _block_sparse_attention(g, q, k, v, layer, ctx, global_qkv)
+    finally:
+        g.scope = outer
+
+
+def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int, ctx: AttentionContext,
+                            global_qkv: tuple[str, str, str] | None) -> str:
     bs, D = ctx.block_size, ctx.head_dim
     scale = 1.0 / float(np.sqrt(D))
     tokens = ctx.global_tokens
@@ -183,7 +292,7 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         # full attention (original_full checkpoints): the (B, h, S, S) scores, their masked copy
         # and the probabilities exist for one head group at a time, which is what lets a
         # BigBird-base full-attention graph run at 16384 tokens in 24 GiB (all 12 heads: 24.6 GiB)
-        outs = [dense_attention(g, *_heads(g, (q, k, v), h0, h1, len(groups)), ctx.key_bias, scale)
+        outs = [dense_attention(g, *_heads(g, (q, k, v), h0, h1, len(groups)), ctx.key_bias, scale, ctx.int8)
                 for h0, h1 in groups]
         return merge_heads(g, outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1), ctx)
 
@@ -246,17 +355,19 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     head_offset (h, 1, 1); slots: the global tokens' keys and values (B, h, G, D); bias: the window's
     (`_window_bias`) when shared by every head, else built here -> (B, h, nb, bs, D)."""
     bs, D = ctx.block_size, ctx.head_dim
+    if ctx.int8 != "off":  # once per group, before any block is gathered (queries: at their products)
+        k, v = quantize_right(g, k, ctx.int8), quantize_right(g, v, ctx.int8)
     qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
-    k_flat = g.op("Reshape", [k, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
-    v_flat = g.op("Reshape", [v, g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
+    k_flat = _map(g, k, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
+    v_flat = _map(g, v, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
     flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
 
     # sparse rows: gathered keys/values, one batched MatMul per side
     # (node order matters for peak memory: the gathered values are made only after the softmax,
     # so the gathered keys, the scores and the gathered values are never all alive at once)
-    kg = g.op("Gather", [k_flat, flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
-    kg = g.op("Reshape", [kg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
-    scores = g.op("MatMul", [qb, g.op("Transpose", [kg], perm=[0, 1, 2, 4, 3])])  # (B, h, nb, bs, K*bs)
+    kg = _map(g, k_flat, "Gather", [flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
+    kg = _map(g, kg, "Reshape", [g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    scores = matmul(g, qb, transpose_right(g, kg, [0, 1, 2, 4, 3]))  # (B, h, nb, bs, K*bs)
 
     scores = g.op("Add", [scores, _window_bias(g, key_blocks, valid, ctx) if bias is None else bias])
     if slots is not None:  # G global key slots in front of the window's keys
@@ -268,9 +379,10 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
         G = g.op("Shape", [slots[0]], start=2, end=3)  # (1,)
         slot_probs = g.op("Slice", [probs, g.const([0]), G, g.const([-1])])  # (B, h, nb, bs, G)
         probs = g.op("Slice", [probs, G, g.const([2 ** 62]), g.const([-1])])  # (B, h, nb, bs, K*bs)
-    vg = g.op("Gather", [v_flat, flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
-    vg = g.op("Reshape", [vg, g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
-    sparse_out = g.op("MatMul", [probs, vg])  # (B, h, nb, bs, D)
+    probs = quantize_probs(g, probs, ctx.int8)
+    vg = _map(g, v_flat, "Gather", [flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
+    vg = _map(g, vg, "Reshape", [g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    sparse_out = matmul(g, probs, vg)  # (B, h, nb, bs, D)
     if slots is not None:
         sparse_out = g.op("Add", [sparse_out, g.op("MatMul", [slot_probs, v_slots])])
     if not ctx.layout_global_rows:
@@ -279,9 +391,9 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     # global rows: their query blocks attend to every key
     qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, D)
     qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, h, G*bs, D)
-    g_scores = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (B, h, G*bs, S)
-    g_probs = g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1)
-    global_out = g.op("Reshape", [g.op("MatMul", [g_probs, v]), g.const([0, 0, -1, bs, D])])  # (B,h,G,bs,D)
+    g_scores = matmul(g, qg, transpose_right(g, k, [0, 1, 3, 2]))  # (B, h, G*bs, S)
+    g_probs = quantize_probs(g, g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1), ctx.int8)
+    global_out = g.op("Reshape", [matmul(g, g_probs, v), g.const([0, 0, -1, bs, D])])  # (B,h,G,bs,D)
 
     both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, h, nb+G, bs, D)
     return g.op("Gather", [both, "block_source"], axis=2)  # (B, h, nb, bs, D)

@@ -32,6 +32,9 @@ on real positions only (padding is stripped/ignored):
         (max |diff|) are reported beside.
   summarize: decoder logits (teacher forcing) within the tolerance, and greedy and beam search
   produce the same tokens as the reference (fp32 and fp16; int8 by the agreement above).
+An int8 export with int8 attention (manifest `int8_attention`) is judged by int8's agreement, and its
+encoder graph must hold what the manifest says: every layer's attention products as MatMulInteger
+when on, none when off.
 """
 
 from __future__ import annotations
@@ -323,7 +326,8 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     progress(f"loading the {against} reference from {checkpoint_dir}")
     ref = Reference(checkpoint_dir, m, against)
     tol = TOLERANCE[m.dtype]
-    report = VerifyReport(str(model_dir), m.dtype, against)
+    dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
+    report = VerifyReport(str(model_dir), dtype, against)
     rng = np.random.default_rng(seed)
     vocab = onnx_model.tokenizer.get_vocab_size()
     lengths = lengths or verify_lengths(m)
@@ -336,6 +340,8 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
         shown = "-" if diff is None else f"{diff:.2e}"
         progress(f"[{graph}] {what} length {S} batch {B}: max|diff| {shown} {'ok' if ok else 'MISMATCH'} {note}")
 
+    if m.dtype == "int8":
+        record("encoder", "int8 attention products", 0, 0, None, *_int8_attention_matches(model_dir, m))
     for S in lengths:
         for B in (1, 3):
             ids, mask = _random_batch(rng, m, vocab, S, B)
@@ -428,6 +434,21 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
             record("agreement", what, 0, 0, None, share >= need[what],
                    f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (need >= {100 * need[what]:.0f}%)")
     return report
+
+
+def _int8_attention_matches(model_dir: Path, m) -> tuple[bool, str]:
+    """(the encoder's attention MatMulIntegers agree with the manifest's int8_attention, what was found)"""
+    import onnx
+
+    from longdoc.export.census import attention_int8_matmuls
+
+    graph = onnx.load(str(m.path_of(model_dir, m.graphs["encoder"])), load_external_data=False)
+    found = attention_int8_matmuls(graph)
+    layers = sum(found[scope] >= 2 for scope in found)
+    if m.int8_attention == "off":
+        return not found, f"manifest: off; {sum(found.values())} attention MatMulInteger node(s) in the graph"
+    return layers == m.num_layers, (f"manifest: {m.int8_attention}; {layers}/{m.num_layers} layers run both "
+                                    f"products as MatMulInteger")
 
 
 def _scaled(tol: float | None, reference: np.ndarray, dtype: str) -> float | None:

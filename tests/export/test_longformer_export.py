@@ -180,6 +180,9 @@ def test_per_layer_windows_and_other_heads_are_refused(tmp_path):
     checkpoint = make_tiny_longformer(tmp_path / "ck2", "qa")
     with pytest.raises(CheckpointError, match="is a .qa. model, not .classify."):
         export_model(checkpoint, tmp_path / "out", "classify", progress=quiet)
+    # int8 attention products exist for BigBird's block-sparse rows only (not the band + global slots)
+    with pytest.raises(CheckpointError, match="Longformer's band and global tokens run in fp32"):
+        export_model(checkpoint, tmp_path / "out", "qa", dtype="int8", int8_attention="per-row", progress=quiet)
     assert not (tmp_path / "out").exists()
 
 

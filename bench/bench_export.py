@@ -5,6 +5,8 @@ BigBird-base shape (12 layers, hidden 768, 12 heads, block 64, r 3), random-init
 
     ours-fp32     our export (block-sparse lowered to Gather/MatMul, one dynamic graph), fp32
     ours-int8     the same graph, ONNX Runtime dynamic int8 quantization of the dense MatMuls
+    ours-int8-attn  ours-int8 with the attention's products in int8 too (`longdoc export
+                  --int8-attention`, the mode given by --int8-attention)
     hf-torch      transformers PyTorch, attention_type=block_sparse (eval mode)
     hf-traced     transformers traced by torch.onnx.export at one fixed length (4096): what a user
                   can do today; it runs at the traced length only (tried at the others: fails)
@@ -40,7 +42,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("ours-fp32", "ours-int8", "hf-torch", "hf-traced", "full-onnx")
+sys.path.insert(0, str(ROOT))
+from longdoc.export.manifest import INT8_ATTENTION  # noqa: E402 (NumPy-free, no onnx)
+
+KINDS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-torch", "hf-traced", "full-onnx")
+INT8_ATTENTION_DEFAULT = "per-row"  # the mode docs/bench_export.md measured as ours-int8-attn
 E, L, H, I, BS, R = 768, 12, 12, 3072, 64, 3
 TRACED_LENGTH = 4096
 
@@ -64,8 +70,9 @@ def model_flops(S: int, full: bool) -> float:
 
 # --- preparation (parent process) -------------------------------------------------------------
 
-def prepare(work: Path, max_position: int, log) -> dict[str, Path]:
-    """Random-init checkpoints (sparse and original_full, same weights) and their exports."""
+def prepare(work: Path, max_position: int, log, kinds=KINDS, int8_attention: str = INT8_ATTENTION_DEFAULT
+            ) -> dict[str, Path]:
+    """Random-init checkpoints (sparse and original_full, same weights) and the exports of `kinds`."""
     import torch
     import transformers
 
@@ -92,11 +99,15 @@ def prepare(work: Path, max_position: int, log) -> dict[str, Path]:
                 os.symlink(ck / name, dst)
         config = json.loads((ck / "config.json").read_text())
         (full_ck / "config.json").write_text(json.dumps({**config, "attention_type": "original_full"}))
-    for kind, source, dtype in (("ours-fp32", ck, "fp32"), ("ours-int8", ck, "int8"), ("full-onnx", full_ck, "fp32")):
-        out = work / f"{kind}-{max_position}"
+    for kind, source, dtype, attention in (("ours-fp32", ck, "fp32", "off"), ("ours-int8", ck, "int8", "off"),
+                                           ("ours-int8-attn", ck, "int8", int8_attention),
+                                           ("full-onnx", full_ck, "fp32", "off")):
+        if kind not in kinds:
+            continue
+        out = work / (f"{kind}-{max_position}" if attention == "off" else f"{kind}-{attention}-{max_position}")
         if not (out / "manifest.json").is_file():
             log(f"exporting {kind} -> {out}")
-            export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m))
+            export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m), int8_attention=attention)
         paths[kind] = out
     return paths
 
@@ -424,7 +435,7 @@ def matmul_peaks(threads: int, n: int = 2048, reps: int = 10) -> dict[str, float
 def _percent_of_peak(rate: float, kind: str, peaks: dict[str, float] | None) -> str:
     if not peaks:
         return "-"
-    return f"{100 * rate / peaks['int8' if kind == 'ours-int8' else 'fp32']:.0f}%"
+    return f"{100 * rate / peaks['int8' if kind.startswith('ours-int8') else 'fp32']:.0f}%"
 
 
 def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
@@ -443,7 +454,7 @@ def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
         lines[1:1] = ["", f"Measured peaks before the run ({threads} threads, ONNX Runtime MatMul 2048^3, constant "
                       f"right-hand side, best of 10): fp32 {peaks['fp32']:.0f} GFLOP/s, dynamically quantized int8 "
                       f"{peaks['int8']:.0f} GOP/s. % of peak = GFLOP/s cpu against the fp32 peak "
-                      f"(ours-int8: against the int8 peak, though its attention stays fp32)."]
+                      f"(ours-int8: against the int8 peak, though its attention stays fp32; ours-int8-attn: the int8 peak)."]
     for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
         if "error" in r:
             lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | - | - | - | {r['error']} |")
@@ -488,28 +499,33 @@ def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work", type=Path, default=Path("/tmp/longdoc-bench"))
-    p.add_argument("--out", type=Path, default=ROOT / "docs")
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--long", action="store_true", help="also 8192 and 16384 (max_position_embeddings 16384)")
-    p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--long-reps", type=int, default=1, help="timed runs at 8192/16384 (after one warm-up)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--work", type=Path, default=Path("/tmp/longdoc-bench"),
+                   help="checkpoints and exports, reused between runs (default: /tmp/longdoc-bench)")
+    p.add_argument("--out", type=Path, default=ROOT / "docs",
+                   help="where bench_export.md/.json/.png go (default: docs/)")
+    p.add_argument("--lengths", default="1024,2048,4096",
+                   help="comma-separated lengths with max_position 4096, '' for none (default: 1024,2048,4096)")
+    p.add_argument("--long", action="store_true", help="also 8192 and 16384 (max_position_embeddings 16384; default: off)")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default: {','.join(KINDS)})")
+    p.add_argument("--int8-attention", default=INT8_ATTENTION_DEFAULT, choices=INT8_ATTENTION[1:],
+                   help=f"mode of ours-int8-attn (`longdoc export --int8-attention`; default: {INT8_ATTENTION_DEFAULT})")
+    p.add_argument("--reps", type=int, default=3, help="timed runs at <= 4096 tokens, after one warm-up (default: 3)")
+    p.add_argument("--long-reps", type=int, default=1, help="timed runs at 8192/16384 (after one warm-up; default: 1)")
+    p.add_argument("--threads", type=int, default=2, help="threads of every kind (default: 2)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds any one child may wait (default: 900)")
     p.add_argument("--dense-max", type=int, default=8192,
                    help="longest length for full-onnx and hf-torch: both hold a dense (H, S, S) fp32 "
-                        "attention tensor (transformers 5.x does even on the block-sparse path), 12.9 GB at 16384")
+                        "attention tensor (transformers 5.x does even on the block-sparse path), 12.9 GB at 16384 (default: 8192)")
     p.add_argument("--mem-cap-gib", type=float, default=0,
                    help="address-space limit of each measuring process (0 = none): a model that needs more "
-                        "fails with an allocation error instead of exhausting the machine's memory")
+                        "fails with an allocation error instead of exhausting the machine's memory (default: 0)")
     p.add_argument("--layout-check", type=int, metavar="LENGTH",
-                   help="only compare layout-as-input with layout-as-constants at LENGTH (ours-fp32)")
+                   help="only compare layout-as-input with layout-as-constants at LENGTH (ours-fp32; default: off)")
     p.add_argument("--interleave", action="store_true",
                    help="at each length, load every kind at once (one process each) and alternate their runs "
-                        "round-robin, so that the machine's drifts in speed hit all kinds alike")
+                        "round-robin, so that the machine's drifts in speed hit all kinds alike (default: off)")
     p.add_argument("--no-peaks", action="store_true",
-                   help="skip measuring ONNX Runtime's fp32/int8 MatMul peaks before the run (the %% of peak column)")
+                   help="skip measuring ONNX Runtime's fp32/int8 MatMul peaks before the run (the %% of peak column; default: measured)")
     p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
@@ -528,7 +544,7 @@ def main() -> int:
     kinds = args.kinds.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.layout_check:
-        paths = prepare(args.work, 4096, log)
+        paths = prepare(args.work, 4096, log, ["ours-fp32"])
         layout_input_vs_constants(paths["ours-fp32"], args.layout_check, args.reps, args.threads)
         return 0
     plans = [(4096, [int(x) for x in args.lengths.split(",")])] if args.lengths else []
@@ -543,7 +559,7 @@ def main() -> int:
         peaks = matmul_peaks(args.threads)
         log(f"peaks: fp32 MatMul {peaks['fp32']:.0f} GFLOP/s, int8 {peaks['int8']:.0f} GOP/s ({args.threads} threads)")
     for max_position, lengths in plans:
-        paths = prepare(args.work, max_position, log)
+        paths = prepare(args.work, max_position, log, kinds, args.int8_attention)
         if "hf-traced" in kinds and max_position == 4096:
             paths["hf-traced"] = trace_export(paths["ckpt"], args.work / "hf-traced", TRACED_LENGTH, log)
         for S in lengths:

@@ -13,13 +13,14 @@ from collections import Counter, defaultdict
 import onnx
 
 MIN_OPSET = 17  # export/graph.py writes opset 20 (Gelu)
-# element-wise arithmetic, shape plumbing, the attention kernels, normalisation, and the
+# element-wise arithmetic, shape plumbing, the attention kernels, normalisation, TopK and CumSum
+# (Longformer's per-request global tokens: their positions and each position's slot), and the
 # ops ONNX Runtime's dynamic int8 quantization inserts (all in the default domain)
 ALLOWED_OPS = frozenset("""
 Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Equal Less LessOrEqual Greater
 GreaterOrEqual And Or Not Where Cast Identity
 Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
-MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax LayerNormalization
+MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax ReduceMin LayerNormalization TopK CumSum
 DynamicQuantizeLinear MatMulInteger QuantizeLinear DequantizeLinear
 """.split())
 CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})
@@ -29,6 +30,18 @@ _SCOPE = re.compile(r"^(layer|enc|dec)(\d+)/")
 def op_census(model: onnx.ModelProto) -> Counter:
     """(domain, op_type) -> count."""
     return Counter((node.domain or "ai.onnx", node.op_type) for node in model.graph.node)
+
+
+def attention_int8_matmuls(model: onnx.ModelProto) -> Counter:
+    """layer scope -> MatMulInteger nodes that multiply two activations (the attention's Q.K^T and
+    P.V under --int8-attention; the dense layers' MatMulIntegers have a constant weight)."""
+    constants = {t.name for t in model.graph.initializer}
+    found: Counter = Counter()
+    for node in model.graph.node:
+        match = _SCOPE.match(node.name)
+        if match and node.op_type == "MatMulInteger" and not set(node.input[:2]) & constants:
+            found[match.group(0)] += 1
+    return found
 
 
 def check_graph(model: onnx.ModelProto | str, sparse: bool = True) -> list[str]:
@@ -49,8 +62,9 @@ def check_graph(model: onnx.ModelProto | str, sparse: bool = True) -> list[str]:
     per_layer: dict[str, Counter] = defaultdict(Counter)
     for node in model.graph.node:
         match = _SCOPE.match(node.name)
-        if match:
-            per_layer[match.group(0)][node.op_type] += 1
+        if match:  # an int8 attention product counts as its MatMul
+            op = "MatMul" if node.op_type == "MatMulInteger" else node.op_type
+            per_layer[match.group(0)][op] += 1
     if not per_layer:
         problems.append("no layer-scoped nodes found (names must start with layerN/, encN/ or decN/)")
     for scope, ops in sorted(per_layer.items()):

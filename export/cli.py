@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from longdoc.export.manifest import INT8_ATTENTION
 from longdoc.export.verify import Agreement
 
 
 def add_commands(subparsers) -> None:
-    p = subparsers.add_parser("export", help="export a BigBird checkpoint to an ONNX model directory",
-                              description="Export a Hugging Face-format BigBird / BigBird-Pegasus checkpoint "
+    p = subparsers.add_parser("export", help="export a BigBird, BigBird-Pegasus or Longformer checkpoint to an ONNX model directory",
+                              description="Export a Hugging Face-format BigBird / BigBird-Pegasus / Longformer checkpoint "
                                           "directory to a self-contained ONNX model directory.")
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
                                           "tokenizer.json")
@@ -19,6 +20,12 @@ def add_commands(subparsers) -> None:
                    help="what the model directory serves (required; must match the checkpoint's architecture)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"],
                    help="weights of the graphs; int8: dynamic quantization of the MatMul weights (default: fp32)")
+    p.add_argument("--int8-attention", default="off",
+                   choices=INT8_ATTENTION,
+                   help="with --dtype int8, also run the encoder attention's two products (Q.K^T, P.V) as "
+                        "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
+                        "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
+                        "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],
@@ -88,13 +95,18 @@ def _export(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
-                     progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite)
-    print(f"exported {m.architecture} ({m.task}, {m.dtype}) to {args.output_dir} in "
+                     progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite,
+                     int8_attention=args.int8_attention)
+    dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
+    print(f"exported {m.architecture} ({m.task}, {dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"
           f"  graphs: {', '.join(m.graphs.values())}; layers {m.num_layers}, heads {m.num_heads}, "
           f"hidden {m.hidden_size}\n"
-          f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
-          f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}")
+          + (f"  lengths {m.min_length}..{m.max_length}; attention longformer, window {2 * m.block_size} "
+             f"(padded to a multiple of {m.block_size}); global tokens: {m.global_tokens}"
+             if m.global_tokens != "none" else
+             f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
+             f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}"))
     return 0
 
 

@@ -12,16 +12,18 @@ from pathlib import Path
 import numpy as np
 
 from longdoc.export.graph import OPSET, save_model
-from longdoc.export.lowering import (ENCODER_ARCHITECTURES, SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder,
-                                     build_b2b_encoder, build_bigbird_encoder, build_pegasus_decoder,
-                                     build_pegasus_encoder)
-from longdoc.export.manifest import TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
-from longdoc.model.layout import checkpoint_attention_spec
+from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_GLOBAL_TOKENS,
+                                     SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder, build_b2b_encoder,
+                                     build_bigbird_encoder, build_longformer_encoder, build_pegasus_decoder,
+                                     build_pegasus_encoder, longformer_block_size)
+from longdoc.export.manifest import INT8_ATTENTION, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
+from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq"}
+MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
+               "longformer": "longformer"}
 PLANS = ("hf-train", "hf-eval", "seeded")
 
 
@@ -91,6 +93,17 @@ def task_of(config: dict, task: str) -> str:
         return task
     if task == "summarize":
         raise CheckpointError("--task summarize needs a bigbird_pegasus or encoder-decoder checkpoint")
+    if config["model_type"] == "longformer":
+        tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
+        if task not in tasks:
+            raise CheckpointError(f"a longformer checkpoint exports as --task {' or '.join(tasks)}, not {task!r}")
+        if arch is not None and arch not in LONGFORMER_ARCHITECTURES:
+            raise CheckpointError(f"architecture {arch!r} is not supported "
+                                  f"(supported: {', '.join(LONGFORMER_ARCHITECTURES)})")
+        if arch is not None and LONGFORMER_ARCHITECTURES[arch] != task:
+            raise CheckpointError(f"checkpoint architecture {arch} is a {LONGFORMER_ARCHITECTURES[arch]!r} model, "
+                                  f"not {task!r}")
+        return task
     if arch is not None and arch not in ENCODER_ARCHITECTURES:
         raise CheckpointError(f"architecture {arch!r} is not supported "
                               f"(supported: {', '.join(ENCODER_ARCHITECTURES)})")
@@ -106,12 +119,13 @@ def encoder_config(config: dict) -> dict:
     return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
 
 
-def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, progress) -> tuple[dict, tuple, dict]:
+def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, int8_attention: str,
+                      progress) -> tuple[dict, tuple, dict]:
     """-> (graphs, (hidden_size, heads, layers) of the encoder, the manifest's decoder dims)."""
     if config["model_type"] == "encoder-decoder":
         enc, dec = config["encoder"], config["decoder"]
         progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {graph_dtype})")
-        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse)}
+        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse, int8_attention)}
         progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {graph_dtype})")
         graphs["decoder"] = build_b2b_decoder(weights, config, graph_dtype)
         dims = (enc["hidden_size"], enc["num_attention_heads"], enc["num_hidden_layers"])
@@ -120,7 +134,7 @@ def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: 
                    "max_positions": dec["max_position_embeddings"]}
         return graphs, dims, decoder
     progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
-    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse)}
+    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse, int8_attention)}
     progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
     graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
     dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
@@ -131,8 +145,25 @@ def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: 
 
 
 def attention_dict(config: dict, plan: str) -> dict:
-    """The manifest's attention: the spec the PyTorch model builds from the same config."""
+    """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
+    every layer's, one window for all, `longformer_block_size`)."""
+    if config["model_type"] == "longformer":
+        try:
+            longformer_block_size(config)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return longformer_attention_specs(config)[0].to_dict()
     return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
+
+
+def encoder_block_size(config: dict) -> int:
+    """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
+    if config["model_type"] == "longformer":
+        try:
+            return longformer_block_size(config)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    return int(encoder_config(config)["block_size"])
 
 
 def _versions() -> dict:
@@ -164,13 +195,19 @@ def check_output_dir(output_dir: Path, checkpoint_dir: Path, overwrite: bool) ->
 
 def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
                  plan: str = "hf-train", progress: Callable[[str], None] = print,
-                 overwrite: bool = False) -> Manifest:
-    """Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
+                 overwrite: bool = False, int8_attention: str = "off") -> Manifest:
+    """int8_attention: the encoder's attention products in int8 too (INT8_ATTENTION; needs dtype int8).
+
+    Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
     export leaves nothing half-written, and an export it replaces (`overwrite`) stays whole until then."""
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     check_output_dir(output_dir, checkpoint_dir, overwrite)
     if dtype not in ("fp32", "fp16", "int8"):
         raise CheckpointError(f"dtype {dtype!r} is not one of fp32, fp16, int8")
+    if int8_attention not in INT8_ATTENTION:
+        raise CheckpointError(f"int8 attention {int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
+    if int8_attention != "off" and dtype != "int8":
+        raise CheckpointError(f"--int8-attention {int8_attention} needs --dtype int8 (got {dtype})")
     if plan not in PLANS:
         raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
     config = read_config(checkpoint_dir)
@@ -182,24 +219,35 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     enc = encoder_config(config)
-    sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
+    longformer = config["model_type"] == "longformer"
+    if longformer and int8_attention != "off":
+        raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
+                              "block-sparse BigBird attention; Longformer's band and global tokens run in fp32 "
+                              "(use --int8-attention off)")
+    sparse = longformer or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
-    bs = int(enc["block_size"])
+    bs = encoder_block_size(config)
     r = int(enc.get("num_random_blocks", 3))
 
     graphs = {}
     if task == "summarize":
-        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, progress)
+        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, int8_attention, progress)
         decoder["generation"] = generation_defaults(checkpoint_dir, config)
+    elif longformer:
+        progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
+        graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype)
+        E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+        decoder = None
     else:
         progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
         graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
-                                                  sep_token_id=config.get("sep_token_id"))
+                                                  sep_token_id=config.get("sep_token_id"),
+                                                  int8_attention=int8_attention)
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
                                                            "bert.embeddings.position_ids", "encoder.pooler.weight",
-                                                           "encoder.pooler.bias"})
+                                                           "encoder.pooler.bias", "longformer.embeddings.position_ids"})
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
@@ -210,7 +258,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         for name, model in graphs.items():
             path = staging / f"{name}.onnx"
             if dtype == "int8":
-                progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights)")
+                progress(f"quantizing {name} graph to int8 (dynamic, MatMul weights; attention: {int8_attention})")
                 quantize_int8(model, path)
             else:
                 save_model(model, path)
@@ -221,14 +269,20 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         if task == "classify":
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
-        max_length = (int(enc["max_position_embeddings"]) // bs) * bs
         special = special_token_ids(checkpoint_dir)
+        if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
+            max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
+            min_length, full_max = 1, 0
+        else:
+            max_length = (int(enc["max_position_embeddings"]) // bs) * bs
+            min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
-            num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=bs, max_length=max_length,
-            full_attention_max_length=(5 + 2 * r) * bs if sparse else max_length, labels=labels,
-            special_tokens=special, decoder=decoder,
+            num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
+            full_attention_max_length=full_max, labels=labels,
+            global_tokens=LONGFORMER_GLOBAL_TOKENS[task] if longformer else "none",
+            special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)
@@ -273,6 +327,8 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
 def _default_arch(task: str, config: dict) -> str:
     if config.get("model_type") == "encoder-decoder":
         return "EncoderDecoderModel"
+    if config["model_type"] == "longformer":
+        return {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}[task]
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
             "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
 

@@ -1,10 +1,13 @@
-"""BigBird and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
+"""BigBird, Longformer and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
 
 Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
 
 - BigBird encoder (post-LN), heads: QA (with transformers' question-token masking), sequence
   classification, masked LM.
+- Longformer encoder (post-LN, RoBERTa positions; the per-layer rest is BigBird's,
+  `_post_ln_layer_rest`), heads: QA, sequence classification; the window and the request's
+  global tokens (`global_attention_mask` input) in export/sparse_attention.py.
 - BigBird-Pegasus encoder (pre-LN, scaled embeddings, final LayerNorm), which also emits each
   decoder layer's cross-attention keys/values (computed once per document), and a one-step
   decoder graph with a growing self-attention KV cache, explicit position ids and an explicit
@@ -24,7 +27,8 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
-                                             declare_layout_inputs, dense_attention, merge_heads, split_heads)
+                                             declare_layout_inputs, dense_attention, gather_tokens, longformer_context,
+                                             merge_heads, split_heads)
 
 ENCODER_ARCHITECTURES = {
     "BigBirdForQuestionAnswering": "qa",
@@ -34,6 +38,13 @@ ENCODER_ARCHITECTURES = {
     "BigBirdModel": None,
 }
 SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize", "EncoderDecoderModel": "summarize"}
+LONGFORMER_ARCHITECTURES = {
+    "LongformerForQuestionAnswering": "qa",
+    "LongformerForSequenceClassification": "classify",
+}
+# which tokens a Longformer task attends to globally (the manifest's `global_tokens`): the question
+# for QA (transformers' LongformerForQuestionAnswering default), the first token for classification
+LONGFORMER_GLOBAL_TOKENS = {"qa": "question", "classify": "first"}
 
 
 class Weights:
@@ -102,13 +113,14 @@ def _bert_embeddings(g: GraphBuilder, w: Weights, config: dict, p: str, ids: str
     return g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
 
-def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool) -> str:
+def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool,
+                   int8_attention: str = "off") -> str:
     """The BigBird encoder layers under prefix p (`{p}encoder.layer.N.`), block-sparse over the
     layout inputs or full: (B, S, E) -> (B, S, E). BigBirdFor* (p "bert.") and the BERT2BERT
-    encoder (p "encoder.") both run this."""
+    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
     E, H = config["hidden_size"], config["num_attention_heads"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -120,9 +132,10 @@ def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, ma
 
 
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None):
+                          sep_token_id: int | None = None, int8_attention: str = "off"):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
-    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V)."""
+    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V).
+    int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
     E = config["hidden_size"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
@@ -134,7 +147,7 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
 
     p = "bert."
     x = _bert_embeddings(g, w, config, p, ids, types, _positions(g, ids))
-    x = _bigbird_stack(g, w, config, p, x, mask, sparse)
+    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention)
     g.scope = "head/"
 
     if task == "qa":
@@ -178,6 +191,70 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
     return g.model(f"BigBird {task} encoder, block-sparse={sparse}")
 
 
+# --- Longformer encoder ----------------------------------------------------------------------
+
+def longformer_block_size(config: dict) -> int:
+    """w = attention_window / 2, the window's block size and band. One window for every layer: a
+    per-layer window would need one layout table per block size, which the graph does not take."""
+    from longdoc.model.layout import longformer_attention_specs
+
+    sizes = {spec.block_size for spec in longformer_attention_specs(config)}
+    if len(sizes) != 1:
+        raise ValueError(f"attention_window {config['attention_window']} differs between layers; the export takes "
+                         "one window for every layer (the PyTorch model, longdoc.model.longformer, runs it)")
+    return sizes.pop()
+
+
+def longformer_positions(g: GraphBuilder, ids: str, pad_token_id: int) -> str:
+    """RoBERTa's position ids (longdoc.model.longformer.position_ids_from): (B, S) int64."""
+    not_pad = g.op("Cast", [g.op("Not", [g.op("Equal", [ids, g.const(pad_token_id)])])], to=TensorProto.INT64)
+    return g.op("Add", [g.op("Mul", [g.op("CumSum", [not_pad, g.const(1)]), not_pad]), g.const(pad_token_id)])
+
+
+def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str):
+    """input_ids, attention_mask, global_attention_mask (B, S) int64 (S a multiple of w) + the window
+    table (layout_key_blocks, layout_valid) -> start_logits/end_logits (B, S) | logits (B, num_labels).
+    Token types are transformers' default, all 0 (RoBERTa checkpoints have one type)."""
+    g = GraphBuilder(f"longformer_{task}_encoder", dtype)
+    E, H = config["hidden_size"], config["num_attention_heads"]
+    eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu")
+    bs = longformer_block_size(config)
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    global_mask = g.input("global_attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    declare_layout_inputs(g, layout_global_rows=False)
+
+    p = "longformer."
+    x = _bert_embeddings(g, w, config, p, ids, None, longformer_positions(g, ids, int(config.get("pad_token_id", 1))))
+
+    ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
+    for i in range(config["num_hidden_layers"]):
+        g.scope = f"layer{i}/"
+        lp = f"{p}encoder.layer.{i}."
+        q, k, v = (g.linear(x, w[f"{lp}attention.self.{n}.weight"], w[f"{lp}attention.self.{n}.bias"], n)
+                   for n in ("query", "key", "value"))
+        x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
+        global_qkv = tuple(g.linear(src, w[f"{lp}attention.self.{n}_global.weight"],
+                                    w[f"{lp}attention.self.{n}_global.bias"], f"{n}_global")
+                           for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
+        a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+        x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
+    g.scope = "head/"
+    if task == "qa":
+        logits = g.to_fp32(g.linear(x, w["qa_outputs.weight"], w["qa_outputs.bias"], "qa_outputs"))  # (B, S, 2)
+        start, end = g.op("Split", [logits, g.const([1, 1])], axis=2, n_out=2)
+        g.output(g.op("Squeeze", [start, g.const([2])]), "start_logits", TensorProto.FLOAT, ["batch", "sequence"])
+        g.output(g.op("Squeeze", [end, g.const([2])]), "end_logits", TensorProto.FLOAT, ["batch", "sequence"])
+    elif task == "classify":
+        first = g.op("Gather", [x, g.const(0)], axis=1)  # (B, E)
+        h = g.op("Tanh", [g.linear(first, w["classifier.dense.weight"], w["classifier.dense.bias"], "dense")])
+        logits = g.linear(h, w["classifier.out_proj.weight"], w["classifier.out_proj.bias"], "out_proj")
+        g.output(g.to_fp32(logits), "logits", TensorProto.FLOAT, ["batch", "labels"])
+    else:
+        raise ValueError(f"task {task!r}: a Longformer exports as qa or classify")
+    return g.model(f"Longformer {task} encoder, window {2 * bs}")
+
+
 # --- BigBird-Pegasus -----------------------------------------------------------------------
 
 def _pegasus_dims(config: dict) -> dict:
@@ -188,7 +265,7 @@ def _pegasus_dims(config: dict) -> dict:
             "act": config.get("activation_function", "gelu_new")}
 
 
-def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
     """input_ids, attention_mask (B, S) [+ layout inputs] -> last_hidden_state (B, S, E) and,
     per decoder layer l, cross_key_l / cross_value_l (B, H, S, D)."""
     dims = _pegasus_dims(config)
@@ -202,7 +279,7 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse)
+    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
@@ -332,7 +409,7 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
 
 # --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------
 
-def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
+def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
     """The `encoder-decoder` config's BigBird encoder: input_ids, attention_mask (B, S) [+ layout
     inputs] -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
     (B, H, S, D), as `build_pegasus_encoder` (token types are 0, transformers' default)."""
@@ -343,7 +420,7 @@ def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool):
     if sparse:
         declare_layout_inputs(g)
     x = _bert_embeddings(g, w, enc, "encoder.", ids, None, _positions(g, ids))
-    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse)
+    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention)
     g.scope = "cross/"
     g.output(x, "last_hidden_state", None, ["batch", "sequence", enc["hidden_size"]])
     lp = "decoder.bert.encoder.layer.{}.crossattention.self."

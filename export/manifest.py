@@ -18,7 +18,10 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
 TASKS = ("qa", "classify", "mlm", "summarize")
+GLOBAL_TOKENS = ("question", "first", "none")
 DTYPES = ("fp32", "fp16", "int8")
+# how an int8 export runs its encoder attention's products (export/sparse_attention.py's docstring)
+INT8_ATTENTION = ("off", "dynamic", "dynamic-s8", "per-row", "static-p")
 # the names of the encoder outputs per task (what OnnxModel.run_encoder returns)
 TASK_OUTPUTS = {
     "qa": ("start_logits", "end_logits"),
@@ -65,6 +68,12 @@ class Manifest:
     # written at export and checked at load: a corrupted file fails start-up instead of serving
     # different answers. Empty in manifests written before checksums (a warning at load).
     files: dict[str, str] = field(default_factory=dict)
+    # which tokens attend globally when the caller names none (Longformer; the runtime builds the
+    # encoder's global_attention_mask from it): "question" = the tokens before the first separator
+    # (QA), "first" = the first token (classification), "none" = the graph takes no such mask
+    global_tokens: str = "none"
+    # int8 exports: the attention's Q.K^T and P.V as MatMulInteger too (INT8_ATTENTION; "off" = fp32)
+    int8_attention: str = "off"
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -154,6 +163,10 @@ def validate(m: Manifest) -> list[str]:
         problems.append(f"task {m.task!r} is not one of {', '.join(TASKS)}")
     if m.dtype not in DTYPES:
         problems.append(f"dtype {m.dtype!r} is not one of {', '.join(DTYPES)}")
+    if m.int8_attention not in INT8_ATTENTION:
+        problems.append(f"int8_attention {m.int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
+    elif m.int8_attention != "off" and m.dtype != "int8":
+        problems.append(f"int8_attention {m.int8_attention!r} needs dtype 'int8', got {m.dtype!r}")
     if not isinstance(m.graphs, dict) or "encoder" not in m.graphs:
         problems.append("graphs must name an 'encoder' graph")
     elif m.task == "summarize" and "decoder" not in m.graphs:
@@ -171,6 +184,8 @@ def validate(m: Manifest) -> list[str]:
             problems.append(f"max_length {m.max_length} is not a multiple of block_size {m.block_size}")
         if m.min_length > m.max_length:
             problems.append(f"min_length {m.min_length} exceeds max_length {m.max_length}")
+    if m.global_tokens not in GLOBAL_TOKENS:
+        problems.append(f"global_tokens {m.global_tokens!r} is not one of {', '.join(GLOBAL_TOKENS)}")
     if not isinstance(m.attention, dict) or "pattern" not in m.attention:
         problems.append("attention must be an AttentionSpec dict with a 'pattern'")
     if m.labels is not None and not (isinstance(m.labels, list) and all(isinstance(x, str) for x in m.labels)):

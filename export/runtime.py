@@ -142,7 +142,7 @@ class OnnxModel:
             self._layouts.move_to_end(key)
         return feed
 
-    def _encoder_feed(self, input_ids, attention_mask, token_type_ids=None):
+    def _encoder_feed(self, input_ids, attention_mask, token_type_ids=None, global_attention_mask=None):
         input_ids = _as_2d_int64(input_ids, "input_ids")
         B, S = input_ids.shape
         attention_mask = np.ones_like(input_ids) if attention_mask is None else _as_2d_int64(attention_mask,
@@ -162,8 +162,18 @@ class OnnxModel:
                 "attention_mask": np.pad(attention_mask, ((0, 0), (0, pad)))}
         if "token_type_ids" in self.encoder_inputs:
             feed["token_type_ids"] = np.pad(token_type_ids, ((0, 0), (0, pad)))
-        if self.sparse:
-            feed.update(self.layout_inputs(padded, attention))
+        if "global_attention_mask" in self.encoder_inputs:
+            if global_attention_mask is None:
+                global_attention_mask = default_global_mask(self.manifest, input_ids)
+            global_attention_mask = _as_2d_int64(global_attention_mask, "global_attention_mask")
+            if global_attention_mask.shape != (B, S):
+                raise ValueError(f"global_attention_mask has shape {global_attention_mask.shape}, "
+                                 f"input_ids {input_ids.shape}")
+            feed["global_attention_mask"] = np.pad(global_attention_mask, ((0, 0), (0, pad)))
+        elif global_attention_mask is not None:
+            raise ValueError(f"this {self.manifest.architecture} export takes no global_attention_mask")
+        if self.sparse:  # a Longformer graph takes the window table only (its global tokens are per request)
+            feed.update((k, v) for k, v in self.layout_inputs(padded, attention).items() if k in self.encoder_inputs)
         return feed, S
 
     def _default_token_types(self, input_ids: np.ndarray) -> np.ndarray:
@@ -175,9 +185,12 @@ class OnnxModel:
         return (np.arange(input_ids.shape[1])[None] >= q_len).astype(np.int64)
 
     # --- encoder -----------------------------------------------------------------------
-    def run_encoder(self, input_ids, attention_mask=None, token_type_ids=None) -> dict[str, np.ndarray]:
-        """(B, S) int64 inputs, S in [1, max_length] -> the task's outputs, padding stripped."""
-        feed, S = self._encoder_feed(input_ids, attention_mask, token_type_ids)
+    def run_encoder(self, input_ids, attention_mask=None, token_type_ids=None,
+                    global_attention_mask=None) -> dict[str, np.ndarray]:
+        """(B, S) int64 inputs, S in [1, max_length] -> the task's outputs, padding stripped.
+        global_attention_mask (Longformer exports only; 1 = global): default from the manifest's
+        `global_tokens` (`default_global_mask`)."""
+        feed, S = self._encoder_feed(input_ids, attention_mask, token_type_ids, global_attention_mask)
         session = self.sessions["encoder"]
         names = [n for n in self.manifest.outputs if n in {o.name for o in session.get_outputs()}]
         outs = session.run(names, feed)
@@ -239,6 +252,24 @@ class OnnxModel:
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
                         length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                         early_stopping=early_stopping, min_length=min_length, should_stop=should_stop)
+
+
+def default_global_mask(manifest: Manifest, input_ids: np.ndarray) -> np.ndarray:
+    """(B, S) int64, 1 = global, from the manifest's `global_tokens`: "question" = the tokens before
+    the first separator (transformers' LongformerForQuestionAnswering: `<s> question </s></s> context
+    </s>`, the separator itself local), "first" = the first token (its classification default),
+    "none" = no token."""
+    mask = np.zeros(input_ids.shape, np.int64)
+    if manifest.global_tokens == "first":
+        mask[:, 0] = 1
+    elif manifest.global_tokens == "question":
+        is_sep = input_ids == manifest.special_tokens.get("sep")
+        missing = np.flatnonzero(~is_sep.any(axis=1))
+        if len(missing):
+            raise ValueError(f"QA input without a separator (id {manifest.special_tokens.get('sep')}) in row(s) "
+                             f"{missing.tolist()}: pass global_attention_mask (the question's tokens) explicitly")
+        mask[np.arange(input_ids.shape[1])[None, :] < np.argmax(is_sep, axis=1)[:, None]] = 1
+    return mask
 
 
 def _release_freed_heap() -> None:

@@ -10,6 +10,10 @@ must equal the manifest's `source.sha256` (`allow_other_checkpoint` turns this o
 comparison itself has to show that the weights differ), and its architecture and dimensions must
 match the manifest's (a clear `VerifyError`, not a shape error from deep inside a graph).
 
+Longformer exports: every check passes the same global-attention mask to both sides (the
+manifest's default on the first row of some checks, 1 to 4 random positions elsewhere), at
+lengths that are and are not multiples of the window.
+
 Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
 not a block multiple, the maximum, and transformers' special padded lengths 1024/3072/4096 with a
 length that pads to each), batch 1 and batch 3 with padding (rows of S, 2S/3, S/3 real tokens),
@@ -28,6 +32,9 @@ on real positions only (padding is stripped/ignored):
         (max |diff|) are reported beside.
   summarize: decoder logits (teacher forcing) within the tolerance, and greedy and beam search
   produce the same tokens as the reference (fp32 and fp16; int8 by the agreement above).
+An int8 export with int8 attention (manifest `int8_attention`) is judged by int8's agreement, and its
+encoder graph must hold what the manifest says: every layer's attention products as MatMulInteger
+when on, none when off.
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ def verify_lengths(manifest) -> list[int]:
                   m.max_length - bs // 2 - 1, m.max_length]
     if m.attention.get("pattern") == "bigbird":
         candidates += [x for n in HF_LEGACY_LENGTHS for x in (n, n - bs // 2 - 1)]
+    if m.global_tokens != "none":  # Longformer: one block, a window (2 blocks) and around it, many windows
+        candidates += [bs - 1, 2 * bs, 2 * bs + 3, 5 * bs + bs // 2 + 1]
     return sorted({x for x in candidates if m.min_length <= x <= m.max_length})
 
 
@@ -148,14 +157,15 @@ class Reference:
                 base = self.module.base_model
             else:  # BigBirdPegasusForConditionalGeneration | EncoderDecoderModel (BigBird encoder)
                 base = self.module.model.encoder if hasattr(self.module, "model") else self.module.encoder
-            if self.manifest.attention.get("pattern") != "dense":
+            if self.manifest.attention.get("pattern") == "bigbird":
                 base.set_attention_type("block_sparse")
 
-    def encoder(self, ids, mask) -> dict[str, np.ndarray]:
+    def encoder(self, ids, mask, global_mask=None) -> dict[str, np.ndarray]:
         self._reset()
         t = self.torch
+        extra = {} if global_mask is None else {"global_attention_mask": t.from_numpy(global_mask)}
         with t.no_grad():  # local: verify runs inside other programs (tests) that train
-            out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask))
+            out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask), **extra)
         return {name: getattr(out, name).float().numpy() for name in self.manifest.outputs}
 
     def decoder_logits(self, ids, mask, decoder_ids) -> np.ndarray:
@@ -246,16 +256,35 @@ def _answers(task: str, outputs: dict[str, np.ndarray], ids, mask, sep) -> list:
     return [outputs["logits"][b].argmax(-1)[mask[b].astype(bool)] for b in range(len(ids))]  # mlm
 
 
+def random_global_mask(rng, manifest, ids: np.ndarray, mask: np.ndarray, row_default: bool) -> np.ndarray:
+    """(B, S) int64 global-attention mask for a Longformer check: the manifest's default on row 0 when
+    `row_default` (and the row has what it needs), elsewhere 1 to 4 random real positions."""
+    from longdoc.export.runtime import default_global_mask
+
+    out = np.zeros(ids.shape, np.int64)
+    for b in range(len(ids)):
+        real = np.flatnonzero(mask[b])
+        if b == 0 and row_default and (manifest.global_tokens != "question"
+                                       or (ids[b] == manifest.special_tokens.get("sep")).any()):
+            out[b] = default_global_mask(manifest, ids[b:b + 1])[0]
+        else:
+            out[b, rng.choice(real, size=min(len(real), int(rng.integers(1, 5))), replace=False)] = 1
+    return out
+
+
 def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: bool = False) -> None:
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
-    from longdoc.export.exporter import CheckpointError, encoder_config, read_config, task_of, weights_path
+    from longdoc.export.exporter import (CheckpointError, encoder_block_size, encoder_config, read_config, task_of,
+                                         weights_path)
     from longdoc.export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)
         task_of(config, manifest.task)
         weights = weights_path(checkpoint_dir)
+        block_size = (encoder_block_size(config) if config.get("model_type") == "longformer"
+                      else encoder_config(config).get("block_size"))
     except CheckpointError as exc:
         raise VerifyError(f"{checkpoint_dir} cannot be compared with {manifest.task!r} model: {exc}") from None
     arch = (config.get("architectures") or [manifest.architecture])[0]
@@ -266,7 +295,7 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
     dims = {"hidden_size": enc.get("d_model" if pegasus else "hidden_size"),
             "num_layers": enc.get("encoder_layers" if pegasus else "num_hidden_layers"),
             "num_heads": enc.get("encoder_attention_heads" if pegasus else "num_attention_heads"),
-            "block_size": enc.get("block_size")}
+            "block_size": block_size}
     differ = [f"{k} {v} (export: {getattr(manifest, k)})" for k, v in dims.items() if v != getattr(manifest, k)]
     if manifest.labels is not None and len(config.get("id2label") or {}) not in (0, len(manifest.labels)):
         differ.append(f"{len(config['id2label'])} labels (export: {len(manifest.labels)})")
@@ -297,7 +326,8 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     progress(f"loading the {against} reference from {checkpoint_dir}")
     ref = Reference(checkpoint_dir, m, against)
     tol = TOLERANCE[m.dtype]
-    report = VerifyReport(str(model_dir), m.dtype, against)
+    dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
+    report = VerifyReport(str(model_dir), dtype, against)
     rng = np.random.default_rng(seed)
     vocab = onnx_model.tokenizer.get_vocab_size()
     lengths = lengths or verify_lengths(m)
@@ -310,6 +340,8 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
         shown = "-" if diff is None else f"{diff:.2e}"
         progress(f"[{graph}] {what} length {S} batch {B}: max|diff| {shown} {'ok' if ok else 'MISMATCH'} {note}")
 
+    if m.dtype == "int8":
+        record("encoder", "int8 attention products", 0, 0, None, *_int8_attention_matches(model_dir, m))
     for S in lengths:
         for B in (1, 3):
             ids, mask = _random_batch(rng, m, vocab, S, B)
@@ -328,8 +360,11 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
                        ("" if same else "argmax differs") + (" (int8: judged on generated tokens)"
                                                              if m.dtype == "int8" else ""))
                 continue
-            got = onnx_model.run_encoder(ids, mask)
-            want = ref.encoder(ids, mask)
+            global_mask = None
+            if m.global_tokens != "none":  # Longformer: the same global tokens on both sides
+                global_mask = random_global_mask(rng, m, ids, mask, row_default=B == 1 or S % 2 == 0)
+            got = onnx_model.run_encoder(ids, mask, global_attention_mask=global_mask)
+            want = ref.encoder(ids, mask, global_mask)
             if any(got[n].shape != want[n].shape for n in m.outputs):
                 for n in m.outputs:
                     record("encoder", n, S, B, None, got[n].shape == want[n].shape,
@@ -399,6 +434,21 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
             record("agreement", what, 0, 0, None, share >= need[what],
                    f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (need >= {100 * need[what]:.0f}%)")
     return report
+
+
+def _int8_attention_matches(model_dir: Path, m) -> tuple[bool, str]:
+    """(the encoder's attention MatMulIntegers agree with the manifest's int8_attention, what was found)"""
+    import onnx
+
+    from longdoc.export.census import attention_int8_matmuls
+
+    graph = onnx.load(str(m.path_of(model_dir, m.graphs["encoder"])), load_external_data=False)
+    found = attention_int8_matmuls(graph)
+    layers = sum(found[scope] >= 2 for scope in found)
+    if m.int8_attention == "off":
+        return not found, f"manifest: off; {sum(found.values())} attention MatMulInteger node(s) in the graph"
+    return layers == m.num_layers, (f"manifest: {m.int8_attention}; {layers}/{m.num_layers} layers run both "
+                                    f"products as MatMulInteger")
 
 
 def _scaled(tol: float | None, reference: np.ndarray, dtype: str) -> float | None:

@@ -1,4 +1,5 @@
-"""Tiny BigBird checkpoints and exported model directories for tests (seconds to build).
+"""Tiny BigBird (and Longformer: `make_tiny_longformer`) checkpoints and exported model directories
+for tests (seconds to build).
 
     make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
                                             model.safetensors, tokenizer.json
@@ -175,3 +176,32 @@ def make_tiny_export(directory, task: str, dtype: str = "fp32", checkpoint_dir=N
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Path:
+    """A random-init Longformer checkpoint saved by transformers (LongformerForQuestionAnswering or
+    LongformerForSequenceClassification) with the tiny tokenizer: hidden 32, 2 heads, 2 layers,
+    attention_window 16 (w = 8: blocks of 8 tokens under a band of 8), 518 positions.
+    initializer_range 0.1 and non-zero biases make a wrong window or global token show."""
+    import torch
+    import transformers
+
+    kwargs = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=48, max_position_embeddings=520, attention_window=16, initializer_range=0.1,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD, sep_token_id=SEP,
+                  bos_token_id=CLS, eos_token_id=SEP)
+    cls = {"qa": transformers.LongformerForQuestionAnswering,
+           "classify": transformers.LongformerForSequenceClassification}[task]
+    if task == "classify":
+        kwargs.update(num_labels=3, id2label=dict(enumerate(CLASSIFY_LABELS)),
+                      label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
+    torch.manual_seed(seed)
+    module = cls(transformers.LongformerConfig(**dict(kwargs, **overrides))).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    directory = Path(directory)
+    module.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory

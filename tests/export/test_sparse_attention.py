@@ -1,6 +1,8 @@
 """The ONNX lowering of block-sparse attention against a NumPy oracle built from the same
 table (dense softmax under a mask that counts duplicated key blocks with multiplicity)."""
 
+from dataclasses import replace
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -135,3 +137,68 @@ def test_fp16_graph_runs(dtype):
     want = oracle(*(t.astype(np.float32) for t in (q, k, v)), np.ones((1, S)), kb[0], np.ones(kb.shape[1:], bool),
                   np.arange(nb) == 0)
     np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2)
+
+
+# --- Longformer: band + per-request global tokens ---------------------------------------------
+
+def longformer_graph(block_size: int, heads_per_group: int):
+    """q, k, v: local projections; qg_all, kg, vg: the global projections of every token (the graph
+    gathers qg_all at the global positions it finds, as the encoder does with its input)."""
+    from longdoc.export.sparse_attention import gather_tokens, longformer_context
+
+    g = GraphBuilder("longformer_attn")
+    for name in ("q", "k", "v", "qg_all", "kg", "vg"):
+        g.input(name, g.float_type, ["B", "S", H * D])
+    g.input("attention_mask", TensorProto.INT64, ["B", "S"])
+    g.input("global_attention_mask", TensorProto.INT64, ["B", "S"])
+    declare_layout_inputs(g, layout_global_rows=False)
+    ctx = longformer_context(g, "attention_mask", "global_attention_mask", block_size, H, D)
+    ctx = replace(ctx, heads_per_group=heads_per_group)
+    qg = gather_tokens(g, "qg_all", ctx.global_tokens.index)
+    g.output(block_sparse_attention(g, "q", "k", "v", 0, ctx, (qg, "kg", "vg")), "out", None, ["B", "S", H * D])
+    return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+LONGFORMER_SESSIONS = {(bs, hpg): longformer_graph(bs, hpg) for bs in (2, 3, 4) for hpg in (0, 1)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(bs=st.sampled_from([2, 3, 4]), nb=st.integers(1, 7), batch=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       global_share=st.sampled_from([0.0, 0.1, 0.4, 1.0]))
+def test_longformer_band_and_global_tokens_equal_the_dense_oracle(bs, nb, batch, seed, global_share):
+    """The lowered window (3 blocks of w tokens under a band of w) with the request's global tokens
+    (any count per row, none included) equals the model's dense oracle
+    (`longdoc.model.attention.dense_reference_attention`) on every real position."""
+    import torch
+
+    from longdoc.model.attention import dense_reference_attention, global_tokens, layout_tensors
+    from longdoc.model.layout import AttentionSpec, build_layout
+
+    rng = np.random.default_rng(seed)
+    S = nb * bs
+    q, k, v, qg_all, kg, vg = (rng.standard_normal((batch, S, H * D)).astype(np.float32) for _ in range(6))
+    lengths = rng.integers(1, S + 1, batch)
+    lengths[0] = S
+    mask = (np.arange(S)[None] < lengths[:, None]).astype(np.int64)
+    gm = (rng.random((batch, S)) < global_share).astype(np.int64)  # may mark padding: never global
+    layout = build_layout(AttentionSpec(pattern="longformer", block_size=bs, window_blocks=3, global_blocks=(),
+                                        band=bs), nb, H, 0)
+    feed = {"layout_key_blocks": layout.key_blocks[None].astype(np.int64), "layout_valid": layout.valid[None]}
+    inputs = {"q": q, "k": k, "v": v, "qg_all": qg_all, "kg": kg, "vg": vg, "attention_mask": mask,
+              "global_attention_mask": gm, **feed}
+    got = LONGFORMER_SESSIONS[bs, 0].run(None, inputs)[0]
+    np.testing.assert_allclose(LONGFORMER_SESSIONS[bs, 1].run(None, inputs)[0], got, atol=1e-6, rtol=1e-6)
+
+    def heads(x):  # (B, S, H*D) -> (B, H, S, D)
+        return torch.from_numpy(x).view(batch, -1, H, D).transpose(1, 2)
+
+    tokens = global_tokens(torch.from_numpy(gm), torch.from_numpy(mask))
+    global_qkv = None
+    if tokens is not None:
+        q_rows = torch.gather(heads(qg_all), 2, tokens.index.view(batch, 1, -1, 1).expand(batch, H, -1, D))
+        global_qkv = (q_rows, heads(kg), heads(vg))
+    want = dense_reference_attention(heads(q), heads(k), heads(v), layout_tensors(layout), torch.from_numpy(mask),
+                                     global_tokens=tokens, global_qkv=global_qkv)
+    want = want.transpose(1, 2).reshape(batch, S, H * D).numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=1e-5)

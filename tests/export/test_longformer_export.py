@@ -1,0 +1,192 @@
+"""Longformer export: the graph against transformers (QA and classification heads, lengths that are
+and are not window multiples, global tokens at random positions and counts, only the first token,
+transformers' own defaults, padded batches), the op census, one graph for every length, and
+`longdoc verify` passing on the exported checkpoint and failing on another one.
+
+Checkpoints are made by transformers (tests/tiny_models.py `make_tiny_longformer`: window 16, so
+blocks of w = 8 tokens under a band of 8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from longdoc.export.census import check_graph, op_census
+from longdoc.export.exporter import CheckpointError, export_model
+from longdoc.export.manifest import Manifest
+from longdoc.export.runtime import OnnxModel, default_global_mask
+from longdoc.export.verify import VerifyError, verify_model
+from tests.tiny_models import CLS, PAD, SEP, make_tiny_longformer, vocab_size
+
+LENGTHS = (1, 7, 8, 16, 37, 100, 512)  # one token, < w, = w, = window, not multiples, the maximum
+TOL = 1e-4
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def longformer(tmp_path_factory):
+    """task -> (checkpoint dir, transformers model, OnnxModel of its fp32 export)"""
+    root = tmp_path_factory.mktemp("longformer")
+    out = {}
+    for task in ("qa", "classify"):
+        checkpoint = make_tiny_longformer(root / f"{task}-checkpoint", task)
+        export_model(checkpoint, root / f"{task}-model", task, progress=quiet)
+        import transformers
+
+        cls = {"qa": transformers.LongformerForQuestionAnswering,
+               "classify": transformers.LongformerForSequenceClassification}[task]
+        out[task] = (checkpoint, cls.from_pretrained(str(checkpoint)).eval(), OnnxModel(root / f"{task}-model",
+                                                                                         threads=1))
+    return out
+
+
+def batch(S: int, B: int, seed: int):
+    """ids (no special tokens but a leading [CLS]), attention mask with rows of S, 2S/3, S/3 real tokens."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(7, vocab_size(), (B, S))
+    ids[:, 0] = CLS
+    mask = np.ones((B, S), np.int64)
+    for b in range(1, B):
+        mask[b, max(1, S * (B - b) // B):] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def global_masks(ids, mask, seed: int):
+    """only the first token; 1..6 random real positions per row (different counts per row)"""
+    rng = np.random.default_rng(seed)
+    first = np.zeros_like(ids)
+    first[:, 0] = 1
+    scattered = np.zeros_like(ids)
+    for b in range(len(ids)):
+        real = np.flatnonzero(mask[b])
+        scattered[b, rng.choice(real, size=min(len(real), 1 + (b * 2 + seed) % 6), replace=False)] = 1
+    return {"first": first, "scattered": scattered}
+
+
+def outputs(task, model, ids, mask, global_mask=None):
+    kwargs = {} if global_mask is None else {"global_attention_mask": torch.from_numpy(global_mask)}
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **kwargs)
+    if task == "qa":
+        return {"start_logits": out.start_logits.numpy(), "end_logits": out.end_logits.numpy()}
+    return {"logits": out.logits.numpy()}
+
+
+def assert_close(task, got, want, mask):
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape, name
+        sel = mask.astype(bool) if task == "qa" else np.ones(w.shape, bool)
+        assert np.abs(g[sel] - w[sel]).max() <= TOL, (name, np.abs(g[sel] - w[sel]).max())
+
+
+@pytest.mark.parametrize("task", ["qa", "classify"])
+@pytest.mark.parametrize("S", LENGTHS)
+def test_graph_matches_transformers(longformer, task, S):
+    _, hf, onnx_model = longformer[task]
+    for B in (1, 3):
+        ids, mask = batch(S, B, seed=S + B)
+        for kind, gm in global_masks(ids, mask, seed=S).items():
+            got = onnx_model.run_encoder(ids, mask, global_attention_mask=gm)
+            assert_close(task, got, outputs(task, hf, ids, mask, gm), mask)
+
+
+def test_a_missing_global_token_is_seen(longformer):
+    """The comparison can fail: another global set moves the outputs far above the tolerance."""
+    _, hf, onnx_model = longformer["qa"]
+    ids, mask = batch(100, 1, seed=1)
+    gm = global_masks(ids, mask, seed=3)["scattered"]
+    got = onnx_model.run_encoder(ids, mask, global_attention_mask=global_masks(ids, mask, 0)["first"])
+    want = outputs("qa", hf, ids, mask, gm)
+    assert np.abs(got["start_logits"] - want["start_logits"]).max() > 100 * TOL
+
+
+def test_default_global_tokens_are_transformers_defaults(longformer):
+    """No global mask on either side: QA attends globally to `<s> question` (transformers finds it
+    from the separators of `<s> q </s></s> context </s>`), classification to the first token."""
+    _, hf, onnx_model = longformer["qa"]
+    ids, mask = batch(60, 2, seed=5)
+    ids[:, 6], ids[:, 7], ids[0, 59], ids[1, 39] = SEP, SEP, SEP, SEP  # question of 5 tokens after <s>
+    assert default_global_mask(onnx_model.manifest, ids)[:, :8].tolist() == [[1] * 6 + [0, 0]] * 2
+    assert_close("qa", onnx_model.run_encoder(ids, mask), outputs("qa", hf, ids, mask), mask)
+    _, hf, onnx_model = longformer["classify"]
+    assert_close("classify", onnx_model.run_encoder(ids, mask), outputs("classify", hf, ids, mask), mask)
+
+
+def test_qa_without_a_separator_needs_an_explicit_global_mask(longformer):
+    onnx_model = longformer["qa"][2]
+    ids, mask = batch(20, 2, seed=0)
+    with pytest.raises(ValueError, match="separator"):
+        onnx_model.run_encoder(ids, mask)
+
+
+def test_manifest_names_the_global_tokens_and_the_window(longformer):
+    for task, want in (("qa", "question"), ("classify", "first")):
+        m = longformer[task][2].manifest
+        assert m.global_tokens == want
+        assert (m.block_size, m.attention["band"], m.attention["pattern"]) == (8, 8, "longformer")
+        assert m.max_length == 512  # 520 positions - pad_token_id - 1 = 518 tokens, rounded down to w
+        assert m.min_length == 1 and m.full_attention_max_length == 0
+
+
+def test_one_graph_with_a_clean_census_for_every_length(longformer):
+    onnx_model = longformer["qa"][2]
+    path = onnx_model.model_dir / "encoder.onnx"
+    graph = onnx.load(str(path))
+    assert check_graph(graph) == []
+    ops = {op for _, op in op_census(graph)}
+    assert {"TopK", "CumSum", "GatherElements"} <= ops and not ops & {"Loop", "If", "Scan"}
+    for value in graph.graph.input:  # every axis of every token input is symbolic
+        if value.name in ("input_ids", "attention_mask", "global_attention_mask"):
+            assert [d.dim_param for d in value.type.tensor_type.shape.dim] == ["batch", "sequence"]
+    assert sorted(p.name for p in onnx_model.model_dir.glob("*.onnx")) == ["encoder.onnx"]
+
+
+def test_verify_passes_on_the_checkpoint_and_fails_on_another(longformer, tmp_path):
+    checkpoint, _, onnx_model = longformer["classify"]
+    for against in ("model", "transformers"):
+        report = verify_model(onnx_model.model_dir, checkpoint, against=against, progress=quiet)
+        assert report.ok, report.summary()
+        assert len({c.length for c in report.checks}) >= 5
+        assert any(c.length % 16 for c in report.checks) and {1, 3} <= {c.batch for c in report.checks}
+    other = make_tiny_longformer(tmp_path / "other", "classify", seed=1)
+    with pytest.raises(VerifyError, match="not the checkpoint"):
+        verify_model(onnx_model.model_dir, other, progress=quiet)
+    report = verify_model(onnx_model.model_dir, other, against="transformers", progress=quiet,
+                          allow_other_checkpoint=True)
+    assert not report.ok
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_fp16_and_int8_exports_verify(longformer, tmp_path, dtype):
+    checkpoint = longformer["qa"][0]
+    export_model(checkpoint, tmp_path / "model", "qa", dtype=dtype, progress=quiet)
+    report = verify_model(tmp_path / "model", checkpoint, progress=quiet, lengths=[7, 37, 100, 512])
+    assert report.ok, report.summary()
+    if dtype == "int8":
+        assert {c.what for c in report.checks if c.graph == "agreement"} >= {"best span identical"}
+
+
+def test_per_layer_windows_and_other_heads_are_refused(tmp_path):
+    checkpoint = make_tiny_longformer(tmp_path / "ck", "qa", attention_window=[16, 32])
+    with pytest.raises(CheckpointError, match="differs between layers"):
+        export_model(checkpoint, tmp_path / "out", "qa", progress=quiet)
+    checkpoint = make_tiny_longformer(tmp_path / "ck2", "qa")
+    with pytest.raises(CheckpointError, match="is a .qa. model, not .classify."):
+        export_model(checkpoint, tmp_path / "out", "classify", progress=quiet)
+    # int8 attention products exist for BigBird's block-sparse rows only (not the band + global slots)
+    with pytest.raises(CheckpointError, match="Longformer's band and global tokens run in fp32"):
+        export_model(checkpoint, tmp_path / "out", "qa", dtype="int8", int8_attention="per-row", progress=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_manifest_rejects_an_unknown_global_tokens_rule(longformer):
+    data = longformer["qa"][2].manifest.to_dict()
+    with pytest.raises(ValueError, match="global_tokens"):
+        Manifest.from_dict(dict(data, global_tokens="all"))

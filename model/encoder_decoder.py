@@ -34,7 +34,7 @@ from torch import nn
 
 from longdoc.model.bigbird import (ACTIVATIONS, BigBirdConfig, BigBirdEmbeddings, BigBirdIntermediate, BigBirdModel,
                                    BigBirdOnlyMLMHead, BigBirdOutput, BigBirdSelfOutput, HFConfig, init_weights)
-from longdoc.model.pegasus import EncoderOutput, Seq2SeqLMOutput, shift_tokens_right
+from longdoc.model.pegasus import EncoderOutput, Seq2SeqLM, Seq2SeqLMOutput, shift_tokens_right, teacher_forced
 
 # ----------------------------------------------------------------------------------------------
 # decoder modules (names as in transformers' BERT)
@@ -332,25 +332,9 @@ class EncoderDecoderModel(nn.Module):
             decoder_input_ids = shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
             if decoder_attention_mask is None:
                 decoder_attention_mask = (decoder_input_ids != cfg.pad_token_id).long()
-        if encoder_outputs is None:
-            encoder_outputs = self.encode(input_ids, attention_mask)
-        enc = encoder_outputs.last_hidden_state
-        B, T = decoder_input_ids.shape
-        if decoder_attention_mask is None:
-            decoder_attention_mask = torch.ones_like(decoder_input_ids)
-        positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
-        logits, _ = self.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
-                                      self.cross_attention_kv(enc), attention_mask)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
+        return teacher_forced(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels,
+                              encoder_outputs)
 
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Greedy or beam search (`longdoc.model.generation.generate`); starts with decoder_start_token_id."""
-        from longdoc.model.generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
+    generate = Seq2SeqLM.generate  # the one greedy / beam search driver (longdoc.model.generation)
 
 

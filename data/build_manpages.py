@@ -83,6 +83,10 @@ SKIP_SECTIONS = {"NAME", "SYNOPSIS", "EXAMPLES", "EXAMPLE", "SEE ALSO", "COLOPHO
 TECHNICAL_TERM = re.compile(r"[_\-/.(0-9]|^[A-Z]{2,}$|^[a-z]+$")
 # test pages with many pairs (perf_event_open(2) has ~200) would dominate the test set
 MAX_TEST_PAIRS_PER_PAGE = 8
+# a NAME "summary" of one word ("DEPRECATED") is none, and one of more words is a NAME section that
+# ran into the body (the next heading not at column 0: Sphinx- or pod-made pages); the manpages
+# corpus' summaries have 2 to 23 words
+MIN_SUMMARY_WORDS, MAX_SUMMARY_WORDS = 2, 30
 
 
 @dataclass(frozen=True)
@@ -290,7 +294,7 @@ def summary_pair(page: Page) -> dict | None:
         return None
     summary = line.split(dash, 1)[1].strip()
     document = (page.text[:s] + page.text[e:]).strip() + "\n"
-    if not summary or len(document) < 200:
+    if not MIN_SUMMARY_WORDS <= len(summary.split()) <= MAX_SUMMARY_WORDS or len(document) < 200:
         return None
     return {"id": page.name, "document": document, "summary": summary, "page": page.name}
 

@@ -246,3 +246,14 @@ def test_answer_token_end_with_a_reused_page_encoding_equals_the_pair_encoding()
     # an answer past the context: the whole sequence's length
     q = "What does X do?"
     assert B.answer_token_end(tok, q, "short page", 50, 60) == len(tok.encode(q, "short page").ids)
+
+
+def test_summary_pair_needs_a_one_line_summary():
+    one_word = PAGE.replace("demo - open and possibly frobnicate a file", "demo - DEPRECATED")
+    assert B.summary_pair(page(one_word)) is None
+    # a NAME section that runs into the body (its next heading not recognised) is no summary
+    run_on = PAGE.replace("demo - open and possibly frobnicate a file", "demo - open it " + "and more words " * 10)
+    assert len(run_on.split("\n")[1].split()) > B.MAX_SUMMARY_WORDS
+    assert B.summary_pair(page(run_on)) is None
+    at_limit = PAGE.replace("demo - open and possibly frobnicate a file", "demo - " + " ".join(["word"] * B.MAX_SUMMARY_WORDS))
+    assert len(B.summary_pair(page(at_limit))["summary"].split()) == B.MAX_SUMMARY_WORDS

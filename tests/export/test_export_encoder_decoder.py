@@ -10,37 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny_models import CLS, PAD, SEP, tiny_tokenizer, vocab_size
+from tests.tiny_models import CLS, PAD, SEP, make_tiny_encoder_decoder, tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
-
-
-def make_b2b_checkpoint(directory, seed: int = 0):
-    """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
-    blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;
-    decoder start [CLS], eos [SEP], the BERT2BERT way."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  initializer_range=0.25, pad_token_id=PAD)
-    enc = transformers.BigBirdConfig(**common, max_position_embeddings=512, block_size=16, num_random_blocks=2,
-                                     sep_token_id=SEP)
-    dec = transformers.BertConfig(**common, max_position_embeddings=64, is_decoder=True, add_cross_attention=True)
-    cfg = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
-    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = CLS, PAD, SEP
-    model = transformers.EncoderDecoderModel(cfg).eval()
-    with torch.no_grad():  # a non-zero output bias, and eos likely enough to end some summaries
-        model.decoder.cls.predictions.bias.normal_(0, 0.5)
-        model.decoder.cls.predictions.bias[SEP] += 2.0
-    model.save_pretrained(directory)
-    tiny_tokenizer().save(str(directory / "tokenizer.json"))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def b2b(tmp_path_factory):
     root = tmp_path_factory.mktemp("b2b")
-    return make_b2b_checkpoint(root / "checkpoint")
+    return make_tiny_encoder_decoder(root / "checkpoint")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +75,7 @@ def test_verify_against_transformers_itself(exported, b2b):
 def test_verify_fails_on_a_wrong_checkpoint(exported, tmp_path):
     from longdoc.export.verify import VerifyError, verify_model
 
-    other = make_b2b_checkpoint(tmp_path / "other", seed=1)
+    other = make_tiny_encoder_decoder(tmp_path / "other", seed=1)
     with pytest.raises(VerifyError, match="not the checkpoint this model was exported from"):
         verify_model(exported("fp32"), other, progress=lambda _m: None)
     report = verify_model(exported("fp32"), other, lengths=[40, 250], allow_other_checkpoint=True,

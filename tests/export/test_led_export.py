@@ -232,3 +232,24 @@ def test_real_serve_summarizes_like_transformers(led, tmp_path):
                         events.append((name, json.loads(line[6:])))
             assert [d["id"] for n, d in events if n == "token"] == tokens
             assert events[-1][0] == "done"
+
+
+def test_checkpoint_generation_defaults_are_transformers(tmp_path):
+    """generation_config.json's settings (led-large-16384-arxiv style: beams, forced <s> first,
+    min_length, no repeated trigrams) are what the export's generate uses, as transformers' does."""
+    checkpoint = make_tiny_led(tmp_path / "ck")
+    hf = transformers.LEDForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
+    hf.generation_config.update(num_beams=3, length_penalty=2.0, no_repeat_ngram_size=3, min_length=4,
+                                forced_bos_token_id=BOS, early_stopping=True)
+    hf.save_pretrained(checkpoint)
+    export_model(checkpoint, tmp_path / "model", "summarize", progress=quiet)
+    model = OnnxModel(tmp_path / "model", threads=1)
+    assert model.manifest.decoder["generation"]["forced_bos_token_id"] == BOS
+    ids, mask = batch(60, 3, seed=4)
+    with torch.no_grad():
+        want = hf.generate(input_ids=t(ids), attention_mask=t(mask), global_attention_mask=t(first_global(ids)),
+                           max_new_tokens=10).tolist()
+    got = model.generate(ids, mask, max_new_tokens=10)
+    assert all(row[1] == BOS for row in want)
+    for g, w in zip(got, want):
+        assert w[: len(g)] == g and all(x in (PAD, EOS) for x in w[len(g):])

@@ -1,4 +1,4 @@
-"""BigBird, Longformer and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
+"""BigBird, Longformer, BigBird-Pegasus and LED written out as ONNX graphs from a Hugging Face state dict.
 
 Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
@@ -16,6 +16,9 @@ use). The graphs follow transformers' forward passes in eval mode (dropout off):
   encoder and a bert decoder): the BigBird layer stack (`_bigbird_stack`, shared with the BigBird
   encoder) plus the cross-attention keys/values, and a BERT decoder step with the same inputs and
   outputs as Pegasus' (`_decoder_step_inputs`, `_decoder_step_biases`, `_cached_self_attention`).
+- LED (transformers' LEDForConditionalGeneration): Longformer's attention (window + the request's
+  global tokens) in BART's post-LN encoder layers with the cross-attention keys/values, and the
+  Pegasus decoder step in its post-LN form (`_bart_decoder_step`, pre_norm False).
 """
 
 from __future__ import annotations

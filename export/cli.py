@@ -10,8 +10,8 @@ from longdoc.export.verify import Agreement
 
 
 def add_commands(subparsers) -> None:
-    p = subparsers.add_parser("export", help="export a BigBird, BigBird-Pegasus or Longformer checkpoint to an ONNX model directory",
-                              description="Export a Hugging Face-format BigBird / BigBird-Pegasus / Longformer checkpoint "
+    p = subparsers.add_parser("export", help="export a BigBird, BigBird-Pegasus, Longformer or LED checkpoint to an ONNX model directory",
+                              description="Export a Hugging Face-format BigBird / BigBird-Pegasus / Longformer / LED checkpoint "
                                           "directory to a self-contained ONNX model directory.")
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
                                           "tokenizer.json")

@@ -14,8 +14,9 @@ import numpy as np
 from longdoc.export.graph import OPSET, save_model
 from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_GLOBAL_TOKENS,
                                      SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder, build_b2b_encoder,
-                                     build_bigbird_encoder, build_longformer_encoder, build_pegasus_decoder,
-                                     build_pegasus_encoder, longformer_block_size)
+                                     build_bigbird_encoder, build_led_decoder, build_led_encoder, build_longformer_encoder,
+                                     build_pegasus_decoder, build_pegasus_encoder, led_window_config,
+                                     longformer_block_size)
 from longdoc.export.manifest import INT8_ATTENTION, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
@@ -23,8 +24,10 @@ from longdoc.model.tokenization import special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
-               "longformer": "longformer"}
+               "longformer": "longformer", "led": "seq2seq"}
 PLANS = ("hf-train", "hf-eval", "seeded")
+# LED summarizes with the first token global (allenai's recipe; longdoc.model.led.first_token_global)
+LED_GLOBAL_TOKENS = "first"
 
 
 class CheckpointError(ValueError):
@@ -92,7 +95,7 @@ def task_of(config: dict, task: str) -> str:
                                   f"(supported: {', '.join(SEQ2SEQ_ARCHITECTURES)})")
         return task
     if task == "summarize":
-        raise CheckpointError("--task summarize needs a bigbird_pegasus or encoder-decoder checkpoint")
+        raise CheckpointError("--task summarize needs a bigbird_pegasus, encoder-decoder or led checkpoint")
     if config["model_type"] == "longformer":
         tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
         if task not in tasks:
@@ -115,8 +118,16 @@ def task_of(config: dict, task: str) -> str:
 
 def encoder_config(config: dict) -> dict:
     """The part of a checkpoint config that describes its encoder (block size, positions, attention):
-    an `encoder-decoder` config's nested `encoder`, else the config itself."""
+    an `encoder-decoder` config's nested `encoder`, an LED config under Longformer's names
+    (`led_window_config`), else the config itself."""
+    if config.get("model_type") == "led":
+        return led_window_config(config)
     return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
+
+
+def windowed(config: dict) -> bool:
+    """Longformer attention (one window, global tokens per request): longformer and led checkpoints."""
+    return config.get("model_type") in ("longformer", "led")
 
 
 def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, int8_attention: str,
@@ -133,7 +144,17 @@ def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: 
                    "head_dim": dec["hidden_size"] // dec["num_attention_heads"],
                    "max_positions": dec["max_position_embeddings"]}
         return graphs, dims, decoder
+    led = config["model_type"] == "led"
     progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
+    if led:
+        graphs = {"encoder": build_led_encoder(weights, config, graph_dtype)}
+        progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
+        graphs["decoder"] = build_led_decoder(weights, config, graph_dtype)
+        dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
+        decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
+                   "head_dim": config["d_model"] // config["decoder_attention_heads"],
+                   "max_positions": config["max_decoder_position_embeddings"]}
+        return graphs, dims, decoder
     graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse, int8_attention)}
     progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
     graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
@@ -147,20 +168,21 @@ def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: 
 def attention_dict(config: dict, plan: str) -> dict:
     """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
     every layer's, one window for all, `longformer_block_size`)."""
-    if config["model_type"] == "longformer":
+    if windowed(config):
+        enc = encoder_config(config)
         try:
-            longformer_block_size(config)
+            longformer_block_size(enc)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        return longformer_attention_specs(config)[0].to_dict()
+        return longformer_attention_specs(enc)[0].to_dict()
     return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
 
 
 def encoder_block_size(config: dict) -> int:
     """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
-    if config["model_type"] == "longformer":
+    if windowed(config):
         try:
-            return longformer_block_size(config)
+            return longformer_block_size(encoder_config(config))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
     return int(encoder_config(config)["block_size"])
@@ -220,11 +242,11 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     weights = Weights(read_weights(checkpoint_dir))
     enc = encoder_config(config)
     longformer = config["model_type"] == "longformer"
-    if longformer and int8_attention != "off":
+    if windowed(config) and int8_attention != "off":
         raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
                               "block-sparse BigBird attention; Longformer's band and global tokens run in fp32 "
                               "(use --int8-attention off)")
-    sparse = longformer or enc.get("attention_type", "block_sparse") == "block_sparse"
+    sparse = windowed(config) or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
     bs = encoder_block_size(config)
     r = int(enc.get("num_random_blocks", 3))
@@ -273,6 +295,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
             max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
             min_length, full_max = 1, 0
+        elif windowed(config):  # LED: positions 0..S-1 of the encoder's table; no switch to full attention
+            max_length = int(config["max_encoder_position_embeddings"]) // bs * bs
+            min_length, full_max = 1, 0
         else:
             max_length = (int(enc["max_position_embeddings"]) // bs) * bs
             min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
@@ -281,7 +306,8 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
-            global_tokens=LONGFORMER_GLOBAL_TOKENS[task] if longformer else "none",
+            global_tokens=(LONGFORMER_GLOBAL_TOKENS[task] if longformer else LED_GLOBAL_TOKENS if windowed(config)
+                           else "none"),
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
@@ -327,6 +353,8 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
 def _default_arch(task: str, config: dict) -> str:
     if config.get("model_type") == "encoder-decoder":
         return "EncoderDecoderModel"
+    if config.get("model_type") == "led":
+        return "LEDForConditionalGeneration"
     if config["model_type"] == "longformer":
         return {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}[task]
     return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",

@@ -1,4 +1,4 @@
-"""BigBird, Longformer and BigBird-Pegasus written out as ONNX graphs from a Hugging Face state dict.
+"""BigBird, Longformer, BigBird-Pegasus and LED written out as ONNX graphs from a Hugging Face state dict.
 
 Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
@@ -16,6 +16,9 @@ use). The graphs follow transformers' forward passes in eval mode (dropout off):
   encoder and a bert decoder): the BigBird layer stack (`_bigbird_stack`, shared with the BigBird
   encoder) plus the cross-attention keys/values, and a BERT decoder step with the same inputs and
   outputs as Pegasus' (`_decoder_step_inputs`, `_decoder_step_biases`, `_cached_self_attention`).
+- LED (transformers' LEDForConditionalGeneration): Longformer's attention (window + the request's
+  global tokens) in BART's post-LN encoder layers with the cross-attention keys/values, and the
+  Pegasus decoder step in its post-LN form (`_bart_decoder_step`, pre_norm False).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ ENCODER_ARCHITECTURES = {
     "BigBirdForPreTraining": "mlm",
     "BigBirdModel": None,
 }
-SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize", "EncoderDecoderModel": "summarize"}
+SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize", "EncoderDecoderModel": "summarize",
+                         "LEDForConditionalGeneration": "summarize"}
 LONGFORMER_ARCHITECTURES = {
     "LongformerForQuestionAnswering": "qa",
     "LongformerForSequenceClassification": "classify",
@@ -367,44 +371,131 @@ def build_pegasus_decoder(w: Weights, config: dict, dtype: str):
     outputs: logits (B, T, V); present_key_l, present_value_l (B, H, P+T, D)
     Causality among the T new tokens is added in the graph (new token t sees past + new <= t).
     """
+    return _bart_decoder_step(w, config, dtype, "model.", pre_norm=True, name="bigbird_pegasus_decoder",
+                              doc="BigBird-Pegasus decoder step with KV cache")
+
+
+def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_norm: bool, name: str, doc: str):
+    """The BART-family decoder step under `prefix` (`build_pegasus_decoder`'s inputs and outputs):
+    pre_norm (Pegasus): LayerNorm before each block, `layernorm_embedding` as the final LayerNorm;
+    post-LN (LED, BART): `layernorm_embedding` right after the embeddings, LayerNorm after each
+    residual add, no final LayerNorm. Queries are scaled before their MatMul (`dense_attention`)."""
     dims = _pegasus_dims(config)
     E, H, L = dims["d_model"], dims["dec_heads"], dims["dec_layers"]
     D = E // H
-    g = GraphBuilder("bigbird_pegasus_decoder", dtype)
+    g = GraphBuilder(name, dtype)
     ids, pos_ids, self_mask, enc_mask = _decoder_step_inputs(g, L, H, D)
 
-    p = "model.decoder."
-    embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
-    x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
+    p = prefix + "decoder."
+    embed = w.first(p + "embed_tokens.weight", prefix + "shared.weight")
+    x = _embedding(g, embed, ids, "embed_tokens")
+    if dims["scale"] != 1.0:
+        x = g.op("Mul", [x, g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], pos_ids, "positions")])  # (B, T, E)
+
+    def norm(x, ln, scope_name):
+        return g.layer_norm(x, w[f"{ln}.weight"], w[f"{ln}.bias"], 1e-5, scope_name)
+
+    if not pre_norm:
+        x = norm(x, p + "layernorm_embedding", "emb_ln")
+    pre = norm if pre_norm else (lambda x, ln, n: x)
+    post = (lambda x, ln, n: x) if pre_norm else norm
     self_bias, enc_bias = _decoder_step_biases(g, ids, self_mask, enc_mask)
     ctx = AttentionContext(0, H, D, "", None, None, False)
     scale = D ** -0.5
     for i in range(L):
         g.scope = f"dec{i}/"
         lp = f"{p}layers.{i}."
-        h = g.layer_norm(x, w[lp + "self_attn_layer_norm.weight"], w[lp + "self_attn_layer_norm.bias"], 1e-5, "ln1")
+        h = pre(x, lp + "self_attn_layer_norm", "ln1")
         q, k, v = (split_heads(g, g.linear(h, w[f"{lp}self_attn.{n}_proj.weight"], w.get(f"{lp}self_attn.{n}_proj.bias"),
                                            n), ctx) for n in ("q", "k", "v"))
         a = _cached_self_attention(g, i, q, k, v, self_bias, ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "self_attn.out_proj.weight"], w.get(lp + "self_attn.out_proj.bias"),
                                      "self_out")])
-        h = g.layer_norm(x, w[lp + "encoder_attn_layer_norm.weight"], w[lp + "encoder_attn_layer_norm.bias"], 1e-5,
-                         "ln2")
+        x = post(x, lp + "self_attn_layer_norm", "ln1")
+        h = pre(x, lp + "encoder_attn_layer_norm", "ln2")
         q = split_heads(g, g.linear(h, w[lp + "encoder_attn.q_proj.weight"], w.get(lp + "encoder_attn.q_proj.bias"),
                                     "cross_q"), ctx)
         a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, scale), ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "encoder_attn.out_proj.weight"],
                                      w.get(lp + "encoder_attn.out_proj.bias"), "cross_out")])
-        h = g.layer_norm(x, w[lp + "final_layer_norm.weight"], w[lp + "final_layer_norm.bias"], 1e-5, "ln3")
+        x = post(x, lp + "encoder_attn_layer_norm", "ln2")
+        h = pre(x, lp + "final_layer_norm", "ln3")
         h = g.activation(g.linear(h, w[lp + "fc1.weight"], w[lp + "fc1.bias"], "fc1"), dims["act"])
         x = g.op("Add", [x, g.linear(h, w[lp + "fc2.weight"], w[lp + "fc2.bias"], "fc2")])
+        x = post(x, lp + "final_layer_norm", "ln3")
     g.scope = "lm/"
-    x = g.layer_norm(x, w[p + "layernorm_embedding.weight"], w[p + "layernorm_embedding.bias"], 1e-5, "final_ln")
-    lm = w.first("lm_head.weight", "model.shared.weight")
+    if pre_norm:
+        x = norm(x, p + "layernorm_embedding", "final_ln")
+    lm = w.first("lm_head.weight", prefix + "shared.weight")
     bias = w["final_logits_bias"].reshape(-1) if "final_logits_bias" in w else None
     g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
-    return g.model("BigBird-Pegasus decoder step with KV cache")
+    return g.model(doc)
+
+
+# --- LED (Longformer Encoder-Decoder, longdoc.model.led) -------------------------------------
+
+def led_window_config(config: dict) -> dict:
+    """An LED config under the names the Longformer helpers read (`longformer_block_size`,
+    `longformer_attention_specs`, the manifest's dimensions): the encoder's."""
+    return {**config, "hidden_size": config["d_model"], "num_attention_heads": config["encoder_attention_heads"],
+            "num_hidden_layers": config["encoder_layers"],
+            "max_position_embeddings": config["max_encoder_position_embeddings"]}
+
+
+def _led_dims(config: dict) -> dict:
+    """`_pegasus_dims` for LED: unscaled embeddings (LED has no scale_embedding), exact GELU by default."""
+    return {**config, "scale_embedding": False, "activation_function": config.get("activation_function", "gelu")}
+
+
+def build_led_encoder(w: Weights, config: dict, dtype: str):
+    """input_ids, attention_mask, global_attention_mask (B, S) int64 (S a multiple of w) + the window
+    table -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
+    (B, H, S, D). Longformer's attention (band + the request's global tokens) in BART's post-LN
+    layer; positions 0..S-1 (LED's table has no offset), unscaled embeddings, `layernorm_embedding`
+    after them, no final LayerNorm."""
+    enc = led_window_config(config)
+    dims = _pegasus_dims(_led_dims(config))
+    E, H = dims["d_model"], dims["enc_heads"]
+    bs = longformer_block_size(enc)
+    g = GraphBuilder("led_encoder", dtype)
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    global_mask = g.input("global_attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    declare_layout_inputs(g, layout_global_rows=False)
+    p = "led.encoder."
+    x = _embedding(g, w.first(p + "embed_tokens.weight", "led.shared.weight"), ids, "embed_tokens")
+    x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
+    x = g.layer_norm(x, w[p + "layernorm_embedding.weight"], w[p + "layernorm_embedding.bias"], 1e-5, "emb_ln")
+    ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
+    for i in range(config["encoder_layers"]):
+        g.scope = f"enc{i}/"
+        lp = f"{p}layers.{i}."
+        ap = lp + "self_attn.longformer_self_attn."
+        q, k, v = (g.linear(x, w[f"{ap}{n}.weight"], w[f"{ap}{n}.bias"], n) for n in ("query", "key", "value"))
+        x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
+        global_qkv = tuple(g.linear(src, w[f"{ap}{n}_global.weight"], w[f"{ap}{n}_global.bias"], f"{n}_global")
+                           for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
+        a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+        a = g.linear(a, w[lp + "self_attn.output.weight"], w[lp + "self_attn.output.bias"], "attn_out")
+        x = g.layer_norm(g.op("Add", [x, a]), w[lp + "self_attn_layer_norm.weight"], w[lp + "self_attn_layer_norm.bias"],
+                         1e-5, "ln1")
+        h = g.activation(g.linear(x, w[lp + "fc1.weight"], w[lp + "fc1.bias"], "fc1"), dims["act"])
+        x = g.op("Add", [x, g.linear(h, w[lp + "fc2.weight"], w[lp + "fc2.bias"], "fc2")])
+        x = g.layer_norm(x, w[lp + "final_layer_norm.weight"], w[lp + "final_layer_norm.bias"], 1e-5, "ln2")
+    g.scope = "cross/"
+    g.output(x, "last_hidden_state", None, ["batch", "sequence", E])
+    lp = "led.decoder.layers.{}.encoder_attn."
+    _cross_kv_outputs(g, w, x, [(lp.format(i) + "k_proj", lp.format(i) + "v_proj") for i in range(dims["dec_layers"])],
+                      dims["dec_heads"], E // dims["dec_heads"])
+    return g.model(f"LED encoder, window {2 * bs}, with cross-attention keys/values")
+
+
+def build_led_decoder(w: Weights, config: dict, dtype: str):
+    """LED's decoder step (BART's post-LN decoder under `led.`): inputs and outputs exactly
+    `build_pegasus_decoder`'s; unscaled embeddings, `final_logits_bias`."""
+    return _bart_decoder_step(w, _led_dims(config), dtype, "led.", pre_norm=False, name="led_decoder",
+                              doc="LED decoder step with KV cache")
 
 
 # --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------

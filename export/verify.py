@@ -12,7 +12,8 @@ match the manifest's (a clear `VerifyError`, not a shape error from deep inside 
 
 Longformer exports: every check passes the same global-attention mask to both sides (the
 manifest's default on the first row of some checks, 1 to 4 random positions elsewhere), at
-lengths that are and are not multiples of the window.
+lengths that are and are not multiples of the window. LED exports: both sides take the first
+token as global (the manifest's `global_tokens` "first", what the export's summarize path passes).
 
 Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
 not a block multiple, the maximum, and transformers' special padded lengths 1024/3072/4096 with a
@@ -153,12 +154,13 @@ class Reference:
 
     def _reset(self):
         if self.against == "transformers":  # transformers switches to full attention and stays
+            if self.manifest.attention.get("pattern") != "bigbird":
+                return
             if self.manifest.task != "summarize":
                 base = self.module.base_model
             else:  # BigBirdPegasusForConditionalGeneration | EncoderDecoderModel (BigBird encoder)
                 base = self.module.model.encoder if hasattr(self.module, "model") else self.module.encoder
-            if self.manifest.attention.get("pattern") == "bigbird":
-                base.set_attention_type("block_sparse")
+            base.set_attention_type("block_sparse")
 
     def encoder(self, ids, mask, global_mask=None) -> dict[str, np.ndarray]:
         self._reset()
@@ -168,12 +170,21 @@ class Reference:
             out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask), **extra)
         return {name: getattr(out, name).float().numpy() for name in self.manifest.outputs}
 
+    def _summary_globals(self, ids) -> dict:
+        """LED: the global tokens the export's encoder run takes by default (`default_global_mask`),
+        passed explicitly (transformers' default is none)."""
+        if self.manifest.global_tokens == "none":
+            return {}
+        from longdoc.export.runtime import default_global_mask
+
+        return {"global_attention_mask": self.torch.from_numpy(default_global_mask(self.manifest, ids))}
+
     def decoder_logits(self, ids, mask, decoder_ids) -> np.ndarray:
         self._reset()
         t = self.torch
         with t.no_grad():
             out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
-                              decoder_input_ids=t.from_numpy(decoder_ids))
+                              decoder_input_ids=t.from_numpy(decoder_ids), **self._summary_globals(ids))
         return out.logits.float().numpy()
 
     def generate(self, ids, mask, **options) -> list[list[int]]:
@@ -182,9 +193,10 @@ class Reference:
         with t.no_grad():
             if self.against == "transformers":
                 out = self.module.generate(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask),
-                                           do_sample=False, **options)
+                                           do_sample=False, **self._summary_globals(ids), **options)
             else:
-                out = self.module.generate(t.from_numpy(ids), t.from_numpy(mask), **options)
+                out = self.module.generate(t.from_numpy(ids), t.from_numpy(mask), **self._summary_globals(ids),
+                                           **options)
         return out.tolist()
 
 
@@ -276,14 +288,14 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
     from longdoc.export.exporter import (CheckpointError, encoder_block_size, encoder_config, read_config, task_of,
-                                         weights_path)
+                                         weights_path, windowed)
     from longdoc.export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)
         task_of(config, manifest.task)
         weights = weights_path(checkpoint_dir)
-        block_size = (encoder_block_size(config) if config.get("model_type") == "longformer"
+        block_size = (encoder_block_size(config) if windowed(config)
                       else encoder_config(config).get("block_size"))
     except CheckpointError as exc:
         raise VerifyError(f"{checkpoint_dir} cannot be compared with {manifest.task!r} model: {exc}") from None

@@ -1,5 +1,5 @@
-"""Tiny BigBird (and Longformer: `make_tiny_longformer`) checkpoints and exported model directories
-for tests (seconds to build).
+"""Tiny BigBird (and Longformer: `make_tiny_longformer`, LED: `make_tiny_led`) checkpoints and
+exported model directories for tests (seconds to build).
 
     make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
                                             model.safetensors, tokenizer.json
@@ -228,6 +228,34 @@ def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
     with torch.no_grad():  # a non-zero output bias, and eos likely enough to end some summaries
         model.decoder.cls.predictions.bias.normal_(0, 0.5)
         model.decoder.cls.predictions.bias[SEP] += 2.0
+    model.save_pretrained(directory)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def make_tiny_led(directory, seed: int = 0, **overrides) -> Path:
+    """A random-init transformers LEDForConditionalGeneration with the tiny tokenizer: d_model 32,
+    2 heads, 2 + 2 layers, attention_window 16 (w = 8), 512 encoder and 64 decoder positions;
+    large init_std, non-zero biases and final_logits_bias (eos favoured, so that some summaries end).
+    LED's special ids (bos 0, pad 1, eos 2, decoder start 2) come from the config; the tokenizer is
+    only used to turn text into ids."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size(), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_encoder_position_embeddings=512,
+               max_decoder_position_embeddings=64, attention_window=16, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, init_std=0.2)
+    cfg.update(overrides)
+    model = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+        model.final_logits_bias.normal_(std=0.5)
+        model.final_logits_bias[0, 2] = 4.5  # LED's eos (bos 0, pad 1, eos 2)
+    directory = Path(directory)
     model.save_pretrained(directory)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
     return directory

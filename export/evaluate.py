@@ -272,7 +272,7 @@ def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num
             # the service's input window, search settings and output tokens
             tok, special = model.tokenizer, model.manifest.special_tokens
             doc = tok.encode(r["document"], add_special_tokens=False).ids
-            ids, _ = summarize_window(doc, model.manifest.max_length, special["eos"])
+            ids, _ = summarize_window(doc, model.manifest.max_length, special, model.manifest.summarize_input)
             settings = settings_for(model.manifest, max_new_tokens=max_new_tokens, num_beams=num_beams)
             out = generate(model, np.array([ids]), np.ones((1, len(ids)), np.int64), settings=settings)[0]
             text = tok.decode(generated_tokens(out, settings))

@@ -106,11 +106,14 @@ def best_spans(
     return ranked[:top_k]
 
 
-def summarize_window(doc_ids, max_length: int, eos: int) -> tuple[list[int], bool]:
-    """The encoder input of a summary: the document's first max_length - 1 tokens and eos (one
-    window: the encoder reads no further), and whether the document was cut."""
-    keep = max_length - 1
-    return [*doc_ids[:keep], eos], len(doc_ids) > keep
+def summarize_window(doc_ids, max_length: int, special_tokens: dict, template: str = "doc-eos") -> tuple[list[int], bool]:
+    """The encoder input of a summary, as the manifest's `summarize_input` template says: the
+    document's first tokens and eos ("doc-eos"), with bos in front for "bos-doc-eos" (BART/LED's
+    `<s> document </s>`), at most max_length tokens (one window: the encoder reads no further);
+    and whether the document was cut."""
+    prefix = [int(special_tokens["bos"])] if template == "bos-doc-eos" else []
+    keep = max_length - 1 - len(prefix)
+    return [*prefix, *doc_ids[:keep], int(special_tokens["eos"])], len(doc_ids) > keep
 
 
 def classify_windows(doc_ids, max_length: int, stride: int | None, cls: int, sep: int) -> list[tuple[int, ...]]:

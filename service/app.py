@@ -235,7 +235,7 @@ def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
     out = []
     for doc in job.common.documents:
         ids, _ = _encode(info, doc, limit)
-        window, truncated = W.summarize_window(ids, info.max_length, int(info.special_tokens["eos"]))
+        window, truncated = W.summarize_window(ids, info.max_length, info.special_tokens, info.summarize_input)
         out.append((window, len(ids), truncated))
     return out
 

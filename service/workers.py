@@ -49,6 +49,7 @@ class ModelInfo:
     # summarize: generation defaults under transformers' names (longdoc.export.generation.search_defaults),
     # what a request's settings are resolved against (longdoc.model.search.resolve_settings)
     generation: dict[str, Any] = field(default_factory=dict)
+    summarize_input: str = "doc-eos"  # summarize: the encoder input's template (manifest.SUMMARIZE_INPUTS)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
         max_new_tokens=max_new,
         directory=str(directory),
         generation=search_defaults(m) if m.task == "summarize" else {},
+        summarize_input=m.summarize_input,
     )
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longdoc.export.windows import best_spans, classify_windows, pool_logits, qa_windows, window_spans
+from longdoc.export.windows import best_spans, classify_windows, pool_logits, qa_windows, summarize_window, window_spans
 from longdoc.service.workers import fake_tokenizer
 
 
@@ -100,3 +100,25 @@ def test_best_span_is_the_exact_best_when_the_best_starts_and_ends_lie_apart(see
     assert (top[0].token_start, top[0].token_end) == (i, i + j)
     assert top[0].score == pytest.approx(exact[i, j])
     assert [sp.score for sp in top] == pytest.approx(sorted(exact.ravel(), reverse=True)[:3])
+
+
+def test_summarize_window_follows_the_manifests_template():
+    special = {"bos": 0, "eos": 2}
+    doc = list(range(10, 20))
+    assert summarize_window(doc, 8, special) == ([10, 11, 12, 13, 14, 15, 16, 2], True)
+    assert summarize_window(doc, 8, special, "bos-doc-eos") == ([0, 10, 11, 12, 13, 14, 15, 2], True)
+    assert summarize_window(doc[:6], 8, special, "bos-doc-eos") == ([0, *doc[:6], 2], False)
+
+
+def test_manifest_refuses_a_bos_template_without_a_bos_id():
+    from longdoc.export.manifest import Manifest, ManifestError
+
+    fields = dict(task="summarize", architecture="LEDForConditionalGeneration", dtype="fp32",
+                  graphs={"encoder": "encoder.onnx", "decoder": "decoder.onnx"}, attention={"pattern": "longformer"},
+                  num_layers=1, num_heads=1, hidden_size=8, block_size=8, min_length=1, max_length=64,
+                  full_attention_max_length=0, special_tokens={"pad": 1, "eos": 2, "decoder_start": 2, "bos": None},
+                  decoder={"num_layers": 1, "num_heads": 1, "head_dim": 8, "max_positions": 16})
+    with pytest.raises(ManifestError, match="bos-doc-eos' needs a bos id"):
+        Manifest(**fields, summarize_input="bos-doc-eos")
+    with pytest.raises(ManifestError, match="summarize_input 'bos' is not one of"):
+        Manifest(**fields, summarize_input="bos")

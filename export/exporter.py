@@ -20,16 +20,15 @@ from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECT
 from longdoc.export.manifest import INT8_ATTENTION, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import special_token_ids
+from longdoc.model.tokenization import special_token_ids, summarize_input_of
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
                "longformer": "longformer", "led": "seq2seq"}
 PLANS = ("hf-train", "hf-eval", "seeded")
 # LED summarizes with the first token global (allenai's recipe; longdoc.model.led.first_token_global),
-# and that token is bos: its tokenizer reads `<s> document </s>` (manifest SUMMARIZE_INPUTS)
+# and that token is bos: its tokenizer reads `<s> document </s>` (summarize_input_of)
 LED_GLOBAL_TOKENS = "first"
-SUMMARIZE_INPUT = {"led": "bos-doc-eos"}  # model_type -> template; others "doc-eos"
 
 
 class CheckpointError(ValueError):
@@ -311,7 +310,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             global_tokens=(LONGFORMER_GLOBAL_TOKENS[task] if longformer else LED_GLOBAL_TOKENS if windowed(config)
                            else "none"),
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
-            summarize_input=SUMMARIZE_INPUT.get(config["model_type"], "doc-eos") if task == "summarize" else "doc-eos",
+            summarize_input=summarize_input_of(config["model_type"]) if task == "summarize" else "doc-eos",
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)

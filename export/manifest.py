@@ -13,16 +13,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from longdoc.model.tokenization import SUMMARIZE_INPUTS
+
 log = logging.getLogger("longdoc.export")
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
 TASKS = ("qa", "classify", "mlm", "summarize")
 GLOBAL_TOKENS = ("question", "first", "none")
-# a summarizer's encoder input (export/windows.py summarize_window), as its tokenizer builds it:
-# "doc-eos" = the document's tokens and eos (Pegasus, and what BERT2BERT is trained on here),
-# "bos-doc-eos" = bos first as well (BART/LED: `<s> document </s>`; LED's global token is that bos)
-SUMMARIZE_INPUTS = ("doc-eos", "bos-doc-eos")
 DTYPES = ("fp32", "fp16", "int8")
 # how an int8 export runs its encoder attention's products (export/sparse_attention.py's docstring)
 INT8_ATTENTION = ("off", "dynamic", "dynamic-s8", "per-row", "static-p")
@@ -78,7 +76,7 @@ class Manifest:
     global_tokens: str = "none"
     # int8 exports: the attention's Q.K^T and P.V as MatMulInteger too (INT8_ATTENTION; "off" = fp32)
     int8_attention: str = "off"
-    # summarize: the encoder input's template (SUMMARIZE_INPUTS)
+    # summarize: the encoder input's template (longdoc.model.tokenization.SUMMARIZE_INPUTS)
     summarize_input: str = "doc-eos"
 
     def __post_init__(self) -> None:
@@ -192,8 +190,10 @@ def validate(m: Manifest) -> list[str]:
             problems.append(f"min_length {m.min_length} exceeds max_length {m.max_length}")
     if m.summarize_input not in SUMMARIZE_INPUTS:
         problems.append(f"summarize_input {m.summarize_input!r} is not one of {', '.join(SUMMARIZE_INPUTS)}")
-    elif m.summarize_input == "bos-doc-eos" and not isinstance((m.special_tokens or {}).get("bos"), int):
-        problems.append("summarize_input 'bos-doc-eos' needs a bos id in special_tokens")
+    elif (SUMMARIZE_INPUTS[m.summarize_input] is not None
+          and not isinstance((m.special_tokens or {}).get(SUMMARIZE_INPUTS[m.summarize_input]), int)):
+        problems.append(f"summarize_input {m.summarize_input!r} needs a {SUMMARIZE_INPUTS[m.summarize_input]} id "
+                        "in special_tokens")
     if m.global_tokens not in GLOBAL_TOKENS:
         problems.append(f"global_tokens {m.global_tokens!r} is not one of {', '.join(GLOBAL_TOKENS)}")
     if not isinstance(m.attention, dict) or "pattern" not in m.attention:

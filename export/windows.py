@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from longdoc.model.tokenization import summarize_window  # noqa: F401  (the one summarize input, re-exported)
+
 
 def window_spans(n_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
     """[a, b) token ranges of length <= window, starting every `stride` tokens, covering all
@@ -104,16 +106,6 @@ def best_spans(
                 best[key] = span
     ranked = sorted(best.values(), key=lambda sp: (-sp.score, sp.start))
     return ranked[:top_k]
-
-
-def summarize_window(doc_ids, max_length: int, special_tokens: dict, template: str = "doc-eos") -> tuple[list[int], bool]:
-    """The encoder input of a summary, as the manifest's `summarize_input` template says: the
-    document's first tokens and eos ("doc-eos"), with bos in front for "bos-doc-eos" (BART/LED's
-    `<s> document </s>`), at most max_length tokens (one window: the encoder reads no further);
-    and whether the document was cut."""
-    prefix = [int(special_tokens["bos"])] if template == "bos-doc-eos" else []
-    keep = max_length - 1 - len(prefix)
-    return [*prefix, *doc_ids[:keep], int(special_tokens["eos"])], len(doc_ids) > keep
 
 
 def classify_windows(doc_ids, max_length: int, stride: int | None, cls: int, sep: int) -> list[tuple[int, ...]]:

@@ -23,11 +23,14 @@ This module imports no torch at module level except through the collators' funct
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from longdoc.model.tokenization import SUMMARIZE_INPUTS, summarize_window
 
 IGNORE_INDEX = -100  # label value the losses skip (transformers' convention)
 
@@ -114,6 +117,7 @@ class SpecialTokens:
     cls: int | None = None
     sep: int | None = None
     mask: int | None = None
+    bos: int | None = None
     eos: int | None = None
     decoder_start: int | None = None
     vocab_size: int | None = None  # of the model: random replacement tokens are drawn below it
@@ -139,6 +143,7 @@ def special_tokens_from(tokenizer, config: dict, directory=None) -> SpecialToken
         cls=ids["cls"],
         sep=ids["sep"],
         mask=ids["mask"],
+        bos=ids["bos"],
         eos=ids["eos"],
         decoder_start=ids["decoder_start"] if ids["decoder_start"] is not None else ids["pad"],
         vocab_size=config.get("vocab_size"),
@@ -269,15 +274,19 @@ def qa_features(
 
 
 def summarize_features(
-    records: Iterable[Record], tokenizer, special: SpecialTokens, max_length: int, max_target_length: int
+    records: Iterable[Record], tokenizer, special: SpecialTokens, max_length: int, max_target_length: int,
+    template: str = "doc-eos",
 ) -> list[dict]:
-    """document </s> -> labels summary </s> (each truncated to its maximum)."""
-    special.require("eos", "decoder_start")
+    """The service's encoder input (`template`, longdoc.model.tokenization.summarize_window: e.g.
+    document </s>) -> labels summary </s> (each truncated to its maximum)."""
+    prefix = SUMMARIZE_INPUTS[template]
+    special.require("eos", "decoder_start", *([prefix] if prefix else []))
+    ids = dataclasses.asdict(special)
     features = []
     for record in records:
-        source = _encode(tokenizer, record.fields["document"]).ids[: max_length - 1]
+        source, _ = summarize_window(_encode(tokenizer, record.fields["document"]).ids, max_length, ids, template)
         target = _encode(tokenizer, record.fields["summary"]).ids[: max_target_length - 1]
-        features.append({"input_ids": [*source, special.eos], "labels": [*target, special.eos]})
+        features.append({"input_ids": source, "labels": [*target, special.eos]})
     return features
 
 

@@ -105,3 +105,28 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
     start = _config_id(config, "decoder_start_token_id")
     ids["decoder_start"] = start if start is not None else ids["pad"]
     return ids
+
+
+# ---- a summarizer's encoder input
+
+# template -> the special token in front of the document (None: none); every template ends with eos.
+# As each family's tokenizer builds it: Pegasus `document </s>`, BART/LED `<s> document </s>` (bos
+# is LED's global token), BERT2BERT `[CLS] document [SEP]` (its eos is [SEP]). The exporter writes
+# the template into the manifest (`summarize_input`); training and serving both read it.
+SUMMARIZE_INPUTS = {"doc-eos": None, "bos-doc-eos": "bos", "cls-doc-eos": "cls"}
+SUMMARIZE_INPUT_OF = {"led": "bos-doc-eos", "encoder-decoder": "cls-doc-eos"}  # model_type -> template
+
+
+def summarize_input_of(model_type: str | None) -> str:
+    """The summarize input template of a checkpoint's `model_type` ("doc-eos" unless listed)."""
+    return SUMMARIZE_INPUT_OF.get(model_type or "", "doc-eos")
+
+
+def summarize_window(doc_ids, max_length: int, special_tokens, template: str = "doc-eos") -> tuple[list[int], bool]:
+    """The encoder input of a summary under `template` (SUMMARIZE_INPUTS): [prefix] document eos,
+    at most max_length tokens (one window: the encoder reads no further); and whether the
+    document was cut. special_tokens: a mapping of special-token names to ids."""
+    name = SUMMARIZE_INPUTS[template]
+    prefix = [] if name is None else [int(special_tokens[name])]
+    keep = max_length - 1 - len(prefix)
+    return [*prefix, *doc_ids[:keep], int(special_tokens["eos"])], len(doc_ids) > keep

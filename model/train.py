@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model import data as D
+from longdoc.model.tokenization import summarize_input_of
 
 STATE_FILE = "training_state.pt"
 STATE_JSON = "trainer_state.json"
@@ -350,6 +351,7 @@ class Trainer:
                 f"{data_config.get('vocab_size')}"
             )
         self.special = D.special_tokens_from(self.tokenizer, data_config, self.tokenizer_path.parent)
+        self.summarize_input = summarize_input_of(model_config.get("model_type"))  # what the export will serve
         max_positions = data_config.get("max_position_embeddings", 4096)
         self.max_length = cfg.max_length or max_positions
         if self.max_length > max_positions:
@@ -437,7 +439,8 @@ class Trainer:
             )
         if cfg.task == "classify":
             return D.classify_features(records, tok, special, self.max_length, {n: i for i, n in enumerate(self.labels)})
-        return D.summarize_features(records, tok, special, self.max_length, cfg.max_target_length)
+        return D.summarize_features(records, tok, special, self.max_length, cfg.max_target_length,
+                                    self.summarize_input)
 
     def _collate(self, features, generator=None) -> dict:
         task, special = self.cfg.task, self.special

@@ -94,8 +94,11 @@ def test_real_serve_summarizes_like_the_pytorch_reference(exported, b2b, tmp_pat
     tok = tiny_tokenizer()
     reference = load_pretrained(b2b)
     want = []
-    for doc in docs:  # the service's input: document tokens + eos (export/windows.py summarize_window)
-        ids = torch.tensor([tok.encode(doc, add_special_tokens=False).ids + [SEP]])
+    # the service's input is BERT's `[CLS] document [SEP]` (manifest summarize_input "cls-doc-eos"; it
+    # used to be `document [SEP]`, which a BERT2BERT checkpoint trained elsewhere has never seen)
+    assert json.loads((exported("fp32") / "manifest.json").read_text())["summarize_input"] == "cls-doc-eos"
+    for doc in docs:
+        ids = torch.tensor([[CLS, *tok.encode(doc, add_special_tokens=False).ids, SEP]])
         row = reference.generate(ids, max_new_tokens=12)[0, 1:].tolist()  # without the start token
         want.append(row[: row.index(SEP)] if SEP in row else row)
     assert any(len(w) > 2 for w in want)

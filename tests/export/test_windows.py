@@ -108,6 +108,7 @@ def test_summarize_window_follows_the_manifests_template():
     assert summarize_window(doc, 8, special) == ([10, 11, 12, 13, 14, 15, 16, 2], True)
     assert summarize_window(doc, 8, special, "bos-doc-eos") == ([0, 10, 11, 12, 13, 14, 15, 2], True)
     assert summarize_window(doc[:6], 8, special, "bos-doc-eos") == ([0, *doc[:6], 2], False)
+    assert summarize_window(doc[:3], 8, {"cls": 101, "eos": 102}, "cls-doc-eos") == ([101, *doc[:3], 102], False)
 
 
 def test_manifest_refuses_a_bos_template_without_a_bos_id():

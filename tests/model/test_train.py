@@ -444,3 +444,19 @@ def test_clear_errors_for_wrong_model_or_precision(work):
                           train=str(work / "summarize.jsonl"), output=str(work / "x")))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         run(work, "mlm", "x", max_steps=1, precision="bf16", device="cpu")
+
+
+def test_summarize_features_are_the_served_input():
+    """Training feeds a summarizer the encoder input its export serves (the one summarize_window):
+    `document eos` for Pegasus, `[CLS] document [SEP]` for BERT2BERT, cut to max_length."""
+    from longdoc.model.tokenization import summarize_input_of
+    from tests.tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    special = D.SpecialTokens(pad=0, cls=101, sep=102, eos=102, decoder_start=101)
+    records = [D.Record("x:1", {"document": "the boy saw a fish in the sea", "summary": "a fish"})]
+    doc = tok.encode("the boy saw a fish in the sea", add_special_tokens=False).ids
+    pegasus = D.summarize_features(records, tok, special, 6, 8, summarize_input_of("bigbird_pegasus"))
+    assert pegasus[0]["input_ids"] == [*doc[:5], 102]
+    b2b = D.summarize_features(records, tok, special, 6, 8, summarize_input_of("encoder-decoder"))
+    assert b2b[0]["input_ids"] == [101, *doc[:4], 102] and b2b[0]["labels"][-1] == 102

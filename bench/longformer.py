@@ -11,6 +11,9 @@ the model is loaded): load, one warm-up pass, one timed pass. Rounds interleave 
 a slow spell of the shared machine hits all of them; the table gives the median over rounds.
 
     .venv/bin/python bench/longformer.py --work /tmp/longdoc-longformer --threads 2 --reps 2
+
+`--positions 16386` builds the checkpoint with LED's position count (16384 tokens after
+RoBERTa's two reserved positions) for lengths up to 16384; use its own `--work` directory.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _rss_gib(field: str) -> float:
     return float("nan")
 
 
-def make_checkpoint(directory: Path) -> None:
+def make_checkpoint(directory: Path, positions: int) -> None:
     import torch
     import transformers
 
@@ -47,7 +50,7 @@ def make_checkpoint(directory: Path) -> None:
     from tests.tiny_models import tiny_tokenizer  # ids are random: any tokenizer.json will do
 
     torch.manual_seed(0)
-    config = transformers.LongformerConfig(vocab_size=50265, max_position_embeddings=4098, type_vocab_size=1)
+    config = transformers.LongformerConfig(vocab_size=50265, max_position_embeddings=positions, type_vocab_size=1)
     transformers.LongformerForQuestionAnswering(config).eval().save_pretrained(directory)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
 
@@ -109,15 +112,22 @@ def main() -> None:
     p.add_argument("--length", type=int, default=4096, help="tokens per input (default: 4096)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (default: 2)")
     p.add_argument("--reps", type=int, default=2, help="interleaved rounds (default: 2)")
+    p.add_argument("--positions", type=int, default=4098,
+                   help="the checkpoint's max_position_embeddings (default: 4098, longformer-base-4096's; "
+                        "16386 = LED's 16384 tokens)")
     p.add_argument("--phase", choices=SYSTEMS, default=None, help="internal: one measurement (default: none)")
     a = p.parse_args()
     if a.phase:
         print(json.dumps(measure(a.phase, a.work, a.length, a.threads)))
         return
     a.work.mkdir(parents=True, exist_ok=True)
-    if not (a.work / "checkpoint" / "config.json").is_file():
-        log("building the random-init Longformer-base QA checkpoint")
-        make_checkpoint(a.work / "checkpoint")
+    config_path = a.work / "checkpoint" / "config.json"
+    if not config_path.is_file():
+        log(f"building the random-init Longformer-base QA checkpoint ({a.positions} positions)")
+        make_checkpoint(a.work / "checkpoint", a.positions)
+    elif json.loads(config_path.read_text())["max_position_embeddings"] != a.positions:
+        sys.exit(f"{a.work}: its checkpoint has another position count than --positions {a.positions}; "
+                 "use another --work")
     from longdoc.export.exporter import export_model
 
     for dtype in ("fp32", "int8"):

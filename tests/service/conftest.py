@@ -5,6 +5,7 @@ thread; and a real `longdoc serve` subprocess."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -94,6 +95,17 @@ async def running_app(factory=None, **overrides):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             client.app = app
             yield client
+
+
+def sse_events(lines) -> list[tuple[str, dict]]:
+    """(event name, data) of server-sent event lines (comments skipped)."""
+    events, name = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[6:])))
+    return events
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.service.conftest import fake_factory, running_app
+from tests.service.conftest import fake_factory, running_app, sse_events
 
 
 def run(coro):
@@ -249,17 +249,6 @@ def test_a_body_of_500k_keys_is_refused_before_parsing(classify_server):
 
 
 # ---- shutdown under load (item 1)
-
-
-def sse_events(lines) -> list[tuple[str, dict]]:
-    """(event name, data) of server-sent event lines (comments skipped)."""
-    events, name = [], None
-    for line in lines:
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            events.append((name, json.loads(line[6:])))
-    return events
 
 
 def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_dir, tiny_summarize_dir, tmp_path):

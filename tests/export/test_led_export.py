@@ -8,7 +8,6 @@ the checkpoint and failing on another, the op census, and one real `longdoc serv
 from __future__ import annotations
 
 import itertools
-import json
 
 import httpx
 import numpy as np

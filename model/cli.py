@@ -38,7 +38,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--save-every", type=int, default=500, help="0: only at the end")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest OUTPUT/checkpoint-* kept")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto: bf16 autocast on CUDA where supported, else fp16; fp32 on CPU")
+                   help="auto: bf16 autocast on CUDA where supported, else fp16; fp32 on CPU. "
+                        "bf16 works on CPU too, fp16 only on CUDA (default: auto)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, masking)")
     p.add_argument("--plan", choices=("hf-train", "hf-eval", "seeded"), default="hf-train",

@@ -16,8 +16,10 @@ Decisions, and why:
 - Losses are computed here from the logits, in fp32, so an all-ignored batch gives 0, not NaN,
   and the MLM head only runs on the masked positions (the (B, S, vocab) logits of a 4096-token
   batch would be most of the memory).
-- Precision: CPU trains in fp32; on CUDA "auto" means bf16 autocast where supported, else fp16
-  autocast with a gradient scaler. Master weights and optimizer state stay fp32.
+- Precision: "auto" is fp32 on CPU and, on CUDA, bf16 autocast where supported, else fp16 autocast
+  with a gradient scaler. "bf16" also runs on CPU (autocast; fast where the CPU has bf16 dot
+  products, e.g. AVX-512 BF16 or AMX: measure with bench/train_precision.py). Master weights and
+  optimizer state stay fp32.
 - A checkpoint is an ordinary Hugging Face model dir (`longdoc.model.save_pretrained`: transformers'
   `from_pretrained` loads it) plus `training_state.pt` (optimizer, scheduler, scaler, step, data
   position, RNG states: tensors and plain values only, read back with `weights_only=True`) and
@@ -312,9 +314,9 @@ def _resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
     if name not in ("auto", "fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {name!r}")
     if device.type != "cuda":
-        if name in ("bf16", "fp16"):
-            raise ValueError(f"--precision {name} needs a CUDA device; CPU trains in fp32")
-        return None
+        if name == "fp16":
+            raise ValueError("--precision fp16 needs a CUDA device; on CPU use bf16 or fp32")
+        return torch.bfloat16 if name == "bf16" else None
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -442,8 +442,22 @@ def test_clear_errors_for_wrong_model_or_precision(work):
     with pytest.raises(ValueError, match="task 'summarize' needs a 'bigbird_pegasus' or 'encoder-decoder' model"):
         train(TrainConfig(task="summarize", model=str(work / "bigbird" / "config.json"),
                           train=str(work / "summarize.jsonl"), output=str(work / "x")))
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        run(work, "mlm", "x", max_steps=1, precision="bf16", device="cpu")
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        run(work, "mlm", "x", max_steps=1, precision="fp16", device="cpu")
+
+
+def test_bf16_autocast_trains_on_cpu(work):
+    """--precision bf16 runs CPU autocast (the default summarizer's recipe where the CPU has bf16
+    dot products): the first step's loss is the fp32 loss up to bf16 rounding, not equal to it
+    (so the step really ran in bf16), and the saved weights stay fp32."""
+    from safetensors.torch import load_file
+
+    fp32 = run(work, "summarize", "p-fp32", max_steps=1, precision="fp32", device="cpu")
+    bf16 = run(work, "summarize", "p-bf16", max_steps=1, precision="bf16", device="cpu")
+    a, b = fp32.history[0]["loss"], bf16.history[0]["loss"]
+    assert a != b and abs(a - b) < 0.02 * a, (a, b)
+    weights = load_file(str(Path(bf16.output) / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
 def test_summarize_features_are_the_served_input():

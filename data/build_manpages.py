@@ -87,6 +87,8 @@ MAX_TEST_PAIRS_PER_PAGE = 8
 # ran into the body (the next heading not at column 0: Sphinx- or pod-made pages); the manpages
 # corpus' summaries have 2 to 23 words
 MIN_SUMMARY_WORDS, MAX_SUMMARY_WORDS = 2, 30
+# a tbl rule drawn under a NAME line (Tcl's pages: "... debugging ______...") is not text
+TABLE_RULE = re.compile(r"_{3,}")
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,7 @@ def summary_pair(page: Page) -> dict | None:
     if not name:
         return None
     s, e = name[0]
-    line = " ".join(page.text[s:e].split()[1:])  # drop the "NAME" header word
+    line = " ".join(TABLE_RULE.sub(" ", page.text[s:e]).split()[1:])  # drop the "NAME" header word and rules
     dash = " - " if " - " in line else " \u2014 "  # mdoc's .Nd renders as an em dash
     if dash not in line:
         return None
@@ -420,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                              "broad); the STATS markdown is written only at its default place")
     parser.add_argument("--jobs", type=int, default=2, help="groff processes at a time (default: %(default)s)")
     parser.add_argument("--no-stats", action="store_true", help="skip tokenizer statistics (default: computed)")
+    parser.add_argument("--reuse-pages", action="store_true",
+                        help="no download or rendering: re-derive the data sets and meta from the OUT/pages.jsonl and "
+                             "meta JSON of an earlier run (after a change to the pair rules) (default: off)")
     args = parser.parse_args(argv)
     corpus = CORPORA[args.corpus]
     out = args.out if args.out is not None else args.cache / corpus.subdir
@@ -428,17 +433,25 @@ def main(argv: list[str] | None = None) -> int:
     groff_version = run(["groff", "--version"], text=True).stdout.splitlines()[0]
     listed = {p: "" for p in PACKAGES} if corpus.package_list is None else parse_package_list(args.packages.read_text())
     failures: dict[str, str] | None = None if corpus.package_list is None else {}
-    packages = download(tuple(listed), args.cache, failures)
-    pages: list[Page] = []
-    for n, (package, info) in enumerate(packages.items(), 1):
-        read = read_pages(extract(package, info["deb"], args.cache), package, corpus.groff_args, failures, args.jobs)
-        pages += read
-        prefix = "" if corpus.package_list is None else f"[{n}/{len(packages)}] "
-        print(f"{prefix}{package} {info['version']}: {len(read)} pages", file=sys.stderr)
-    pages, duplicates = deduplicate(pages)
+    if args.reuse_pages:  # the pages, packages, failures and duplicates of the earlier run, as they were
+        earlier = json.loads(meta_path.read_text())
+        packages, failures = earlier["packages"], earlier.get("failures")
+        duplicates = earlier.get("duplicates", {}).get("dropped", [])
+        with (out / "pages.jsonl").open() as f:
+            pages = [Page(r["page"], r["section"], r["text"], r["package"]) for r in map(json.loads, f)]
+        print(f"{len(pages)} pages from {out / 'pages.jsonl'}", file=sys.stderr)
+    else:
+        packages = download(tuple(listed), args.cache, failures)
+        pages = []
+        for n, (package, info) in enumerate(packages.items(), 1):
+            read = read_pages(extract(package, info["deb"], args.cache), package, corpus.groff_args, failures, args.jobs)
+            pages += read
+            prefix = "" if corpus.package_list is None else f"[{n}/{len(packages)}] "
+            print(f"{prefix}{package} {info['version']}: {len(read)} pages", file=sys.stderr)
+        pages, duplicates = deduplicate(pages)
     if corpus.package_list is None:
         assert not duplicates, f"duplicate pages across packages: {duplicates}"
-    else:
+    elif not args.reuse_pages:
         print(f"{len(pages)} pages after dropping {len(duplicates)} duplicates", file=sys.stderr)
         kept = collections.Counter(p.package for p in pages)
         for package, info in packages.items():

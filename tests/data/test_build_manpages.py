@@ -150,6 +150,13 @@ def test_split_of_a_page_does_not_depend_on_the_corpus():
     assert B.split_of("open.2") == "test" and B.split_of("ls.1") == "train"
 
 
+def test_summary_pair_drops_a_table_rule_under_the_name_line():
+    """Tcl's pages draw a tbl rule under NAME; it is not part of the summary (11 broad-corpus
+    training summaries were 10,000 characters of underscores)."""
+    text = PAGE.replace("a file\n", "a file " + "_" * 200 + "\n", 1)
+    assert B.summary_pair(page(text))["summary"] == "open and possibly frobnicate a file"
+
+
 def test_summary_pair_reads_mdoc_em_dash_names():
     text = PAGE.replace("demo - open and possibly", "demo \u2014 open and possibly")
     assert B.summary_pair(page(text))["summary"] == "open and possibly frobnicate a file"
@@ -230,6 +237,16 @@ def test_broad_build_records_versions_sha256_counts_and_duplicates(tmp_path):
     assert meta["counts"]["summarize"]["train"] + meta["counts"]["summarize"]["test"] == 4
     qa = [json.loads(line) for split in ("train", "test") for line in (out / f"qa_{split}.jsonl").read_text().splitlines()]
     assert {r["term"] for r in qa} == {"--frobnicate-input"} and len(qa) == 4
+
+    # --reuse-pages (no download, no groff) re-derives every data set and the meta byte for byte
+    first = {f.name: f.read_bytes() for f in out.iterdir()} | {"meta": meta_path.read_bytes()}
+    shutil.rmtree(tmp_path / "cache")
+    for f in out.iterdir():
+        if f.name != "pages.jsonl":
+            f.unlink()
+    assert B.main(["--corpus", "broad", "--packages", str(plist), "--cache", str(tmp_path / "cache"),
+                   "--out", str(out), "--meta", str(meta_path), "--no-stats", "--reuse-pages"]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} | {"meta": meta_path.read_bytes()} == first
 
 
 def test_answer_token_end_with_a_reused_page_encoding_equals_the_pair_encoding():

@@ -26,6 +26,11 @@ def add_commands(subparsers) -> None:
                         "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
                         "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
                         "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
+    p.add_argument("--attention", default="sparse", choices=["sparse", "full"],
+                   help="Longformer only: sparse = the checkpoint's window and global tokens; full = a benchmark "
+                        "baseline, every token attends to every token with the ordinary projections (what a plain "
+                        "ONNX export of Longformer runs), equal to the checkpoint's outputs only when the window "
+                        "covers the whole input (docs/longformer.md; default: sparse)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],
@@ -96,7 +101,7 @@ def _export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
                      progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite,
-                     int8_attention=args.int8_attention)
+                     int8_attention=args.int8_attention, attention=args.attention)
     dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
     print(f"exported {m.architecture} ({m.task}, {dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"
@@ -105,6 +110,8 @@ def _export(args: argparse.Namespace) -> int:
           + (f"  lengths {m.min_length}..{m.max_length}; attention longformer, window {2 * m.block_size} "
              f"(padded to a multiple of {m.block_size}); global tokens: {m.global_tokens}"
              if m.global_tokens != "none" else
+             f"  lengths {m.min_length}..{m.max_length}; attention full over every token (benchmark baseline, "
+             f"not the checkpoint's window)" if args.attention == "full" else
              f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
              f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}"))
     return 0

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from longdoc.export.graph import OPSET, save_model
-from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_GLOBAL_TOKENS,
-                                     SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder, build_b2b_encoder,
-                                     build_bigbird_encoder, build_led_decoder, build_led_encoder, build_longformer_encoder,
-                                     build_pegasus_decoder, build_pegasus_encoder, led_window_config,
-                                     longformer_block_size)
+from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_ATTENTION,
+                                     LONGFORMER_GLOBAL_TOKENS, SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder,
+                                     build_b2b_encoder, build_bigbird_encoder, build_led_decoder, build_led_encoder,
+                                     build_longformer_encoder, build_pegasus_decoder, build_pegasus_encoder,
+                                     led_window_config, longformer_block_size)
 from longdoc.export.manifest import INT8_ATTENTION, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
-from longdoc.model.layout import checkpoint_attention_spec, longformer_attention_specs
+from longdoc.model.layout import AttentionSpec, checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
 from longdoc.model.tokenization import special_token_ids, summarize_input_of
 
@@ -218,8 +218,12 @@ def check_output_dir(output_dir: Path, checkpoint_dir: Path, overwrite: bool) ->
 
 def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
                  plan: str = "hf-train", progress: Callable[[str], None] = print,
-                 overwrite: bool = False, int8_attention: str = "off") -> Manifest:
+                 overwrite: bool = False, int8_attention: str = "off", attention: str = "sparse") -> Manifest:
     """int8_attention: the encoder's attention products in int8 too (INT8_ATTENTION; needs dtype int8).
+    attention (Longformer only, LONGFORMER_ATTENTION): "sparse" = the checkpoint's window and global
+    tokens; "full" = a benchmark baseline, dense attention over every token with the ordinary
+    projections (`build_longformer_encoder`), which equals Longformer only when the window covers
+    the whole input. The manifest records it as the `dense` attention pattern.
 
     Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
     export leaves nothing half-written, and an export it replaces (`overwrite`) stays whole until then."""
@@ -233,8 +237,14 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"--int8-attention {int8_attention} needs --dtype int8 (got {dtype})")
     if plan not in PLANS:
         raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
+    if attention not in LONGFORMER_ATTENTION:
+        raise CheckpointError(f"attention {attention!r} is not one of {', '.join(LONGFORMER_ATTENTION)}")
     config = read_config(checkpoint_dir)
     task = task_of(config, task)
+    if attention == "full" and config["model_type"] != "longformer":
+        raise CheckpointError(f"--attention full is a Longformer benchmark baseline; a {config['model_type']} "
+                              "checkpoint exports its own attention (BigBird: attention_type original_full in "
+                              "config.json is full attention)")
     wpath = weights_path(checkpoint_dir)
     tokenizer = checkpoint_dir / "tokenizer.json"
     if not tokenizer.is_file():
@@ -257,8 +267,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, int8_attention, progress)
         decoder["generation"] = generation_defaults(checkpoint_dir, config)
     elif longformer:
-        progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
-        graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype)
+        progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype}, "
+                 f"{'full attention' if attention == 'full' else 'window and global tokens'})")
+        graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype, attention)
         E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
         decoder = None
     else:
@@ -295,7 +306,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         special = special_token_ids(checkpoint_dir)
         if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
             max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
-            min_length, full_max = 1, 0
+            min_length, full_max = 1, (max_length if attention == "full" else 0)
         elif windowed(config):  # LED: positions 0..S-1 of the encoder's table; no switch to full attention
             max_length = int(config["max_encoder_position_embeddings"]) // bs * bs
             min_length, full_max = 1, 0
@@ -304,11 +315,13 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
-            graphs={name: f"{name}.onnx" for name in graphs}, attention=attention_dict(config, plan),
+            graphs={name: f"{name}.onnx" for name in graphs},
+            attention=(AttentionSpec(pattern="dense", block_size=bs).to_dict() if attention == "full"
+                       else attention_dict(config, plan)),
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
-            global_tokens=(LONGFORMER_GLOBAL_TOKENS[task] if longformer else LED_GLOBAL_TOKENS if windowed(config)
-                           else "none"),
+            global_tokens=("none" if attention == "full" else LONGFORMER_GLOBAL_TOKENS[task] if longformer
+                           else LED_GLOBAL_TOKENS if windowed(config) else "none"),
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             summarize_input=summarize_input_of(config["model_type"]) if task == "summarize" else "doc-eos",
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},

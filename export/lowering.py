@@ -7,7 +7,8 @@ use). The graphs follow transformers' forward passes in eval mode (dropout off):
   classification, masked LM.
 - Longformer encoder (post-LN, RoBERTa positions; the per-layer rest is BigBird's,
   `_post_ln_layer_rest`), heads: QA, sequence classification; the window and the request's
-  global tokens (`global_attention_mask` input) in export/sparse_attention.py.
+  global tokens (`global_attention_mask` input) in export/sparse_attention.py; or, as a benchmark
+  baseline (`--attention full`), BigBird's dense attention over every token instead.
 - BigBird-Pegasus encoder (pre-LN, scaled embeddings, final LayerNorm), which also emits each
   decoder layer's cross-attention keys/values (computed once per document), and a one-step
   decoder graph with a growing self-attention KV cache, explicit position ids and an explicit
@@ -215,33 +216,49 @@ def longformer_positions(g: GraphBuilder, ids: str, pad_token_id: int) -> str:
     return g.op("Add", [g.op("Mul", [g.op("CumSum", [not_pad, g.const(1)]), not_pad]), g.const(pad_token_id)])
 
 
-def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str):
+LONGFORMER_ATTENTION = ("sparse", "full")  # `longdoc export --attention`
+
+
+def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str, attention: str = "sparse"):
     """input_ids, attention_mask, global_attention_mask (B, S) int64 (S a multiple of w) + the window
     table (layout_key_blocks, layout_valid) -> start_logits/end_logits (B, S) | logits (B, num_labels).
-    Token types are transformers' default, all 0 (RoBERTa checkpoints have one type)."""
+    Token types are transformers' default, all 0 (RoBERTa checkpoints have one type).
+
+    attention "full": a benchmark baseline (what a plain ONNX export of Longformer runs), not the
+    checkpoint's computation: every token attends to every real token with the layer's ordinary
+    query/key/value (BigBird's dense lowering), no window, no global projections; inputs
+    input_ids and attention_mask only. Equal to Longformer only when its window covers the input."""
+    if attention not in LONGFORMER_ATTENTION:
+        raise ValueError(f"attention {attention!r} is not one of {', '.join(LONGFORMER_ATTENTION)}")
+    full = attention == "full"
     g = GraphBuilder(f"longformer_{task}_encoder", dtype)
     E, H = config["hidden_size"], config["num_attention_heads"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu")
     bs = longformer_block_size(config)
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
     mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
-    global_mask = g.input("global_attention_mask", TensorProto.INT64, ["batch", "sequence"])
-    declare_layout_inputs(g, layout_global_rows=False)
+    if not full:
+        global_mask = g.input("global_attention_mask", TensorProto.INT64, ["batch", "sequence"])
+        declare_layout_inputs(g, layout_global_rows=False)
 
     p = "longformer."
     x = _bert_embeddings(g, w, config, p, ids, None, longformer_positions(g, ids, int(config.get("pad_token_id", 1))))
 
-    ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
+    ctx = (attention_context(g, mask, bs, H, E // H, sparse=False) if full
+           else longformer_context(g, mask, global_mask, bs, H, E // H))
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
         q, k, v = (g.linear(x, w[f"{lp}attention.self.{n}.weight"], w[f"{lp}attention.self.{n}.bias"], n)
                    for n in ("query", "key", "value"))
-        x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
-        global_qkv = tuple(g.linear(src, w[f"{lp}attention.self.{n}_global.weight"],
-                                    w[f"{lp}attention.self.{n}_global.bias"], f"{n}_global")
-                           for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
-        a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+        if full:
+            a = block_sparse_attention(g, q, k, v, i, ctx)  # (B, S, E), dense over the real keys
+        else:
+            x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
+            global_qkv = tuple(g.linear(src, w[f"{lp}attention.self.{n}_global.weight"],
+                                        w[f"{lp}attention.self.{n}_global.bias"], f"{n}_global")
+                               for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
+            a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
         x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
     g.scope = "head/"
     if task == "qa":
@@ -256,7 +273,8 @@ def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str):
         g.output(g.to_fp32(logits), "logits", TensorProto.FLOAT, ["batch", "labels"])
     else:
         raise ValueError(f"task {task!r}: a Longformer exports as qa or classify")
-    return g.model(f"Longformer {task} encoder, window {2 * bs}")
+    return g.model(f"Longformer {task} encoder, " + ("full attention (benchmark baseline)" if full
+                                                     else f"window {2 * bs}"))
 
 
 # --- BigBird-Pegasus -----------------------------------------------------------------------

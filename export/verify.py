@@ -334,6 +334,10 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     kind, device_id = parse_device(device)
     onnx_model = OnnxModel(model_dir, device=kind, threads=threads, device_id=device_id)
     m = onnx_model.manifest
+    if m.architecture.startswith("Longformer") and m.attention.get("pattern") == "dense":
+        raise VerifyError(f"{model_dir} is a full-attention Longformer export (longdoc export --attention full), a "
+                          "benchmark baseline: it computes what the checkpoint computes only when the window covers "
+                          "the whole input, so there is no reference to verify it against")
     check_checkpoint(m, checkpoint_dir, allow_other_checkpoint)
     progress(f"loading the {against} reference from {checkpoint_dir}")
     ref = Reference(checkpoint_dir, m, against)

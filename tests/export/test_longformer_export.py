@@ -18,7 +18,7 @@ from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import Manifest
 from longdoc.export.runtime import OnnxModel, default_global_mask
 from longdoc.export.verify import VerifyError, verify_model
-from tests.tiny_models import CLS, PAD, SEP, make_tiny_longformer, vocab_size
+from tests.tiny_models import CLS, PAD, SEP, make_tiny_checkpoint, make_tiny_longformer, vocab_size
 
 LENGTHS = (1, 7, 8, 16, 37, 100, 512)  # one token, < w, = w, = window, not multiples, the maximum
 TOL = 1e-4
@@ -190,3 +190,73 @@ def test_manifest_rejects_an_unknown_global_tokens_rule(longformer):
     data = longformer["qa"][2].manifest.to_dict()
     with pytest.raises(ValueError, match="global_tokens"):
         Manifest.from_dict(dict(data, global_tokens="all"))
+
+
+# --- the full-attention baseline (`longdoc export --attention full`, bench/longformer.py) ---------
+
+FULL_LENGTHS = (7, 37, 512)  # not a multiple of w, another, the maximum
+HF_FULL_WINDOW = 1024  # transformers' window w/2 = 512 tokens each side: every real token sees every other
+
+
+@pytest.fixture(scope="module")
+def full_qa(longformer, tmp_path_factory):
+    """(transformers' QA model with a window covering every length, OnnxModel of the full export)"""
+    import transformers
+
+    checkpoint = longformer["qa"][0]
+    out = tmp_path_factory.mktemp("longformer-full") / "model"
+    export_model(checkpoint, out, "qa", progress=quiet, attention="full")
+    hf = transformers.LongformerForQuestionAnswering.from_pretrained(str(checkpoint),
+                                                                     attention_window=HF_FULL_WINDOW).eval()
+    return hf, OnnxModel(out, threads=1)
+
+
+@pytest.mark.parametrize("S", FULL_LENGTHS)
+def test_full_attention_export_equals_longformer_whose_window_covers_the_input(full_qa, S):
+    """transformers pads to a multiple of its window (1024) and attends w/2 = 512 tokens each side, so
+    at S <= 512 every token sees every real token; no global tokens (all-zero mask: transformers' QA
+    default would make the question global, with the global projections)."""
+    hf, onnx_model = full_qa
+    for B in (1, 3):
+        ids, mask = batch(S, B, seed=S + B)
+        got = onnx_model.run_encoder(ids, mask)
+        want = outputs("qa", hf, ids, mask, np.zeros_like(ids))
+        for name, w in want.items():
+            sel = mask.astype(bool)
+            assert np.abs(got[name][sel] - w[sel]).max() <= 1e-5, (name, np.abs(got[name][sel] - w[sel]).max())
+
+
+def test_full_attention_export_is_not_the_windowed_model(full_qa, longformer):
+    """The comparison can fail: past the checkpoint's own window (16) the baseline differs from it."""
+    _, onnx_model = full_qa
+    hf = longformer["qa"][1]
+    ids, mask = batch(100, 1, seed=2)
+    want = outputs("qa", hf, ids, mask, np.zeros_like(ids))
+    assert np.abs(onnx_model.run_encoder(ids, mask)["start_logits"] - want["start_logits"]).max() > 100 * TOL
+
+
+def test_full_attention_manifest_census_and_inputs(full_qa, tmp_path):
+    """The manifest says dense attention (no global tokens, full attention at every length), the graph
+    takes the token inputs only and passes the census as a dense graph; verify refuses it."""
+    _, onnx_model = full_qa
+    m = onnx_model.manifest
+    assert m.attention["pattern"] == "dense" and m.global_tokens == "none"
+    assert m.full_attention_max_length == m.max_length == 512 and m.block_size == 8
+    graph = onnx.load(str(onnx_model.model_dir / "encoder.onnx"))
+    assert check_graph(graph, sparse=False) == []
+    assert sorted(i.name for i in graph.graph.input) == ["attention_mask", "input_ids"]
+    assert not {op for _, op in op_census(graph)} & {"TopK", "Loop", "If", "Scan"}
+    ids, mask = batch(20, 1, seed=0)
+    with pytest.raises(ValueError, match="takes no global_attention_mask"):
+        onnx_model.run_encoder(ids, mask, global_attention_mask=np.zeros_like(ids))
+    with pytest.raises(VerifyError, match="full-attention Longformer export"):
+        verify_model(onnx_model.model_dir, m.source["checkpoint"], progress=quiet)
+
+
+def test_full_attention_is_refused_for_other_model_types(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "ck", "qa")
+    with pytest.raises(CheckpointError, match="Longformer benchmark baseline"):
+        export_model(checkpoint, tmp_path / "out", "qa", progress=quiet, attention="full")
+    with pytest.raises(CheckpointError, match="attention 'dense' is not one of sparse, full"):
+        export_model(checkpoint, tmp_path / "out", "qa", progress=quiet, attention="dense")
+    assert not (tmp_path / "out").exists()

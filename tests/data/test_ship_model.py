@@ -29,3 +29,22 @@ def test_shrink_embedding_tables_keeps_outputs(tmp_path):
     assert after.dtype == np.float32
     np.testing.assert_allclose(after, before, rtol=2e-3, atol=1e-4)
     assert not np.array_equal(after, before)  # it really is rounded
+
+
+def test_shrink_embedding_tables_records_the_new_checksum(tmp_path):
+    """A shipped model dir must load: its manifest's sha256 of the rewritten graph is updated
+    (it kept the pre-shrink checksum, and the service refused the shipped summarizer)."""
+    import json
+
+    from longdoc.export.manifest import sha256_of
+
+    table = np.zeros((4, 2), np.float32)
+    graph = helper.make_graph([helper.make_node("Gather", ["word_embeddings", "ids"], ["out"], name="g")], "g",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["S", 2])],
+                              [numpy_helper.from_array(table, "word_embeddings")])
+    path = tmp_path / "encoder.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"encoder.onnx": sha256_of(path), "x": "y"}}))
+    shrink_embedding_tables(path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"] == {"encoder.onnx": sha256_of(path), "x": "y"}

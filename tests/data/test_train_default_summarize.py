@@ -1,5 +1,6 @@
 """Shipping the summarizer: the vocabulary cut keeps the corpus' tokenization and the model's
-logits on it (restricted to the kept word pieces)."""
+logits on it (restricted to the kept word pieces), for both summarizer architectures (BigBird-Pegasus
+and the BERT2BERT encoder-decoder)."""
 
 import json
 from pathlib import Path
@@ -10,15 +11,18 @@ import torch
 from tokenizers import Tokenizer
 
 from data.train_default_summarize import KEEP_FIRST, shrink_vocabulary
-from tests.tiny_models import BOS, EOS, PAD, make_tiny_checkpoint
+from tests.tiny_models import BOS, EOS, PAD, make_tiny_checkpoint, make_tiny_encoder_decoder
 
 CORPUS = [{"document": "the water was hot and the sun was red .", "summary": "hot water"},
           {"document": "write a letter to your mother , then read the book .", "summary": "write a letter"}]
 
 
-@pytest.fixture()
-def shrunk(tmp_path):
-    src = make_tiny_checkpoint(tmp_path / "src", "summarize")
+@pytest.fixture(params=["pegasus", "bert2bert"])
+def shrunk(tmp_path, request):
+    if request.param == "pegasus":
+        src = make_tiny_checkpoint(tmp_path / "src", "summarize")
+    else:
+        src = make_tiny_encoder_decoder(tmp_path / "src")
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
     kept = shrink_vocabulary(src, tmp_path / "dst", [corpus])
@@ -37,8 +41,14 @@ def test_shrink_keeps_corpus_tokenization_and_special_ids(shrunk):
             assert [kept[i] for i in b.ids] == a.ids
     assert "mountain" in old.get_vocab() and "mountain" not in new.get_vocab()  # a word the corpus lacks
     config = json.loads((dst / "config.json").read_text())
-    assert config["vocab_size"] == len(kept)
-    assert (config["pad_token_id"], config["eos_token_id"]) == (PAD, EOS)
+    for part in (config, config.get("encoder"), config.get("decoder")):  # an encoder-decoder's nested configs too
+        if part is not None and "vocab_size" in part:
+            assert part["vocab_size"] == len(kept)
+    source = json.loads((src / "config.json").read_text())
+    for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):  # the same tokens, renumbered
+        if source.get(key) is not None:
+            assert kept[config[key]] == source[key]
+    assert config["pad_token_id"] == PAD
     assert (dst / "vocab.txt").read_text().splitlines() == [new.id_to_token(i) for i in range(len(kept))]
 
 

@@ -260,34 +260,47 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
 
 def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num_beams: int | None = None,
                        progress=None) -> tuple[list[dict], list[dict]]:
+    """(report rows, per-record predictions): the model through the service's input window, search
+    settings and output tokens, beside the lead baselines. Subsets: "all" and, with a model,
+    "beyond-window": the pages longer than its one encoder window (cut, as the service cuts them).
+    Each row also gives `distinct`, the fraction of distinct outputs (a model that writes one
+    sentence for every page has ROUGE but no reading)."""
     from longdoc.export.generation import generate, generated_tokens, settings_for
     from longdoc.export.windows import summarize_window
 
     systems = {"lead": lead, "lead-description": lead_description}
-    scores = {name: [] for name in ["model", *systems] if name != "model" or model is not None}
+    names = [name for name in ["model", *systems] if name != "model" or model is not None]
+    scores = {name: {"all": [], "beyond-window": []} for name in names}
+    texts = {name: {"all": [], "beyond-window": []} for name in names}
     predictions = []
     for n, r in enumerate(records):
         row = {"id": r.get("id", n)}
+        outputs = {name: fn(r["document"]) for name, fn in systems.items()}
+        subsets = ["all"]
         if model is not None:
             # the service's input window, search settings and output tokens
             tok, special = model.tokenizer, model.manifest.special_tokens
             doc = tok.encode(r["document"], add_special_tokens=False).ids
-            ids, _ = summarize_window(doc, model.manifest.max_length, special, model.manifest.summarize_input)
+            ids, cut = summarize_window(doc, model.manifest.max_length, special, model.manifest.summarize_input)
             settings = settings_for(model.manifest, max_new_tokens=max_new_tokens, num_beams=num_beams)
             out = generate(model, np.array([ids]), np.ones((1, len(ids)), np.int64), settings=settings)[0]
-            text = tok.decode(generated_tokens(out, settings))
-            scores["model"].append(rouge_scores(text, r["summary"]))
-            row["model"] = text
-        for name, fn in systems.items():
-            text = fn(r["document"])
-            scores[name].append(rouge_scores(text, r["summary"]))
+            outputs = {"model": tok.decode(generated_tokens(out, settings)), **outputs}
+            row["document_tokens"] = len(doc)
+            if cut:
+                subsets.append("beyond-window")
+        for name, text in outputs.items():
+            for subset in subsets:
+                scores[name][subset].append(rouge_scores(text, r["summary"]))
+                texts[name][subset].append(text)
             row[name] = text
         predictions.append(row)
         if progress:
             progress(n + 1, len(records))
     rows = []
-    for name, items in scores.items():
-        rows += _mean_rows(name, {"all": items})
+    for name in names:
+        for row in _mean_rows(name, scores[name]):
+            outputs = texts[name][row["subset"]]
+            rows.append({**row, "distinct": len(set(outputs)) / len(outputs)})
     return rows, predictions
 
 

@@ -93,3 +93,27 @@ def test_read_records_limit_is_evenly_spaced(tmp_path):
     path.write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
     assert [r["i"] for r in E.read_records(path, limit=5)] == [0, 2, 4, 6, 8]
     assert len(E.read_records(path)) == 10
+
+
+def test_summarize_eval_reports_pages_beyond_the_window_and_distinct_outputs(tiny_summarize_dir):
+    """Issue 14 asks for ROUGE on the pages longer than the encoder's window and the fraction of
+    distinct summaries: the `beyond-window` subset holds exactly the pages the service cuts, and
+    `distinct` counts the model's distinct outputs."""
+    from longdoc.export.runtime import OnnxModel
+    from tests.tiny_models import TINY_WORDS
+
+    model = OnnxModel(tiny_summarize_dir, threads=1)
+    max_length = model.manifest.max_length
+    records = [{"id": f"p{n}", "document": " ".join(TINY_WORDS[(n * 7 + i) % 200] for i in range(words)),
+                "summary": " ".join(TINY_WORDS[n:n + 3])}
+               for n, words in enumerate((20, 60, max_length + 50, 2 * max_length))]
+    rows, preds = E.evaluate_summarize(model, records, max_new_tokens=6)
+    by = {(r["system"], r["subset"]): r for r in rows}
+    long_pages = [p for p in preds if p["document_tokens"] > max_length - 1]
+    assert len(long_pages) == 2 and by[("model", "beyond-window")]["n"] == 2
+    assert by[("model", "all")]["n"] == 4 and ("lead", "beyond-window") in by
+    model_texts = [p["model"] for p in preds]
+    assert by[("model", "all")]["distinct"] == len(set(model_texts)) / 4
+    assert by[("model", "beyond-window")]["distinct"] == len({p["model"] for p in long_pages}) / 2
+    assert by[("model", "all")]["rouge1"] == sum(E.rouge_scores(t, r["summary"])["rouge1"]
+                                                 for t, r in zip(model_texts, records)) / 4

@@ -20,6 +20,7 @@ import onnxruntime as ort
 import pytest
 
 from longdoc.model.search import resolve_settings
+from longdoc.model.tokenization import summarize_window
 from longdoc.service.app import create_app
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.metrics import Metrics
@@ -39,9 +40,10 @@ def text_of(n: int, seed: int) -> str:
 
 
 def document_ids(model, text: str) -> list[int]:
-    """What the app feeds the encoder for a document: its tokens (up to max_length - 1), eos."""
+    """What the app feeds the encoder for a document: the one summarize window of its manifest."""
+    m = model.manifest
     ids = model.tokenizer.encode(text, add_special_tokens=False).ids
-    return ids[: model.manifest.max_length - 1] + [model.manifest.special_tokens["eos"]]
+    return summarize_window(ids, m.max_length, m.special_tokens, m.summarize_input)[0]
 
 
 def reference(model, ids: list[int], **options) -> list[int]:

@@ -87,15 +87,17 @@ CONFIG = {
 
 
 def build_init_b2b(out_dir: str | Path = INIT["bert2bert"]) -> Path:
-    """A BERT2BERT checkpoint dir: MiniLM on both sides (`longdoc warmstart --encoder-decoder`),
-    encoder positions tiled to 4096, decoder positions MiniLM's 512, cross-attention fresh (seed 0)."""
+    """A BERT2BERT checkpoint dir: MiniLM on both sides (`longdoc warmstart --encoder-decoder
+    --cross-attention self`), encoder positions tiled to 4096, decoder positions MiniLM's 512,
+    each cross-attention a copy of its layer's self-attention (a fresh one stayed unused: after 100
+    steps two different pages changed the decoder's logits by 2e-4)."""
     from data.build_manpages import minilm_dir
     from longdoc.model.warmstart import warm_start_encoder_decoder
 
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
-    record = warm_start_encoder_decoder(minilm_dir(), out, 4096, seed=0)
+    record = warm_start_encoder_decoder(minilm_dir(), out, 4096, seed=0, cross_attention="self")
     print(f"{out}: BERT2BERT from {minilm_dir()}, {len(record['initialised_keys'])} keys initialised fresh")
     return out
 
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="pages per step (default: %(default)s)")
     parser.add_argument("--max-steps", type=int, default=360, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate (default: 1e-4 for bert2bert, 5e-4 for pegasus)")
+                        help="peak learning rate (default: 3e-4 for bert2bert, 5e-4 for pegasus)")
     parser.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     fresh = build_init_b2b if args.arch == "bert2bert" else build_init
     start = args.init or (INIT[args.arch] if args.resume else str(fresh()))
-    lr = args.lr if args.lr is not None else (1e-4 if args.arch == "bert2bert" else 5e-4)
+    lr = args.lr if args.lr is not None else (3e-4 if args.arch == "bert2bert" else 5e-4)
     cfg = TrainConfig(task="summarize", model=start, train=train_file, eval=args.eval,
                       output=args.output or OUTPUT[args.arch], max_length=args.max_length,
                       max_target_length=args.max_target_length, batch_size=args.batch_size, max_steps=args.max_steps,

@@ -73,6 +73,10 @@ def add_commands(subparsers) -> None:
     w.add_argument("--encoder-decoder", action="store_true",
                    help="write a BigBird encoder + BERT decoder (transformers' EncoderDecoderModel, the BERT2BERT "
                         "recipe): both from SOURCE, cross-attention freshly initialised (default: off, a BigBird encoder)")
+    w.add_argument("--cross-attention", choices=("fresh", "self"), default="fresh",
+                   help="--encoder-decoder: fresh = BERT-initialised cross-attention (Rothe et al.); self = a copy "
+                        "of each decoder layer's self-attention, which reads the document from the first step "
+                        "(default: fresh)")
     w.add_argument("--decoder-max-length", type=int, default=None,
                    help="--encoder-decoder: decoder positions (default: the source's position table size)")
     w.set_defaults(func=_warmstart)
@@ -129,7 +133,8 @@ def _warmstart(args) -> int:
     if args.encoder_decoder:
         record = warm_start_encoder_decoder(args.source, args.destination, args.max_length,
                                             decoder_max_length=args.decoder_max_length, block_size=args.block_size,
-                                            num_random_blocks=args.num_random_blocks)
+                                            num_random_blocks=args.num_random_blocks,
+                                            cross_attention=args.cross_attention)
         print(f"{args.destination}: {record['source_model_type']} -> encoder-decoder (big_bird encoder, bert "
               f"decoder), positions {record['source_positions']} -> {record['max_length']} (encoder), "
               f"{record['decoder_max_length']} (decoder); initialised: {len(record['initialised_keys'])} tensors")

@@ -243,6 +243,9 @@ def _copy_tokenizer(source: Path, destination: Path, max_length: int) -> list[st
 # decoder (causal self-attention, same embeddings and MLM head), its cross-attention fresh.
 
 
+CROSS_ATTENTION_INITS = ("fresh", "self")
+
+
 def warm_start_encoder_decoder(
     source: str | Path,
     destination: str | Path,
@@ -253,6 +256,7 @@ def warm_start_encoder_decoder(
     num_random_blocks: int = 3,
     attention_type: str = "block_sparse",
     seed: int = 0,
+    cross_attention: str = "fresh",
 ) -> dict:
     """Write a transformers `EncoderDecoderModel` checkpoint (big_bird encoder, bert decoder) at
     `destination`: `warm_start` writes the encoder (positions tiled to `max_length`), then the
@@ -260,7 +264,14 @@ def warm_start_encoder_decoder(
     `decoder_max_length` (default: the source's table size) by the same rule. Cross-attention
     (and an MLM head the source lacks) are BERT-initialised from `seed`. Special tokens, the
     BERT2BERT way: decoder start = [CLS] (or <s>), eos = [SEP] (or </s>), pad = the source's pad.
-    Returns the record written to warmstart.json."""
+    cross_attention (CROSS_ATTENTION_INITS): "fresh" = BERT init, as Rothe et al.; "self" = each
+    decoder layer's cross-attention starts as a copy of its own self-attention (query, key, value,
+    output and its LayerNorm), so that from the first step its scores over the document have the
+    spread of the source's attention instead of being nearly uniform (a fresh one gives every page
+    the same average, and the decoder learns to ignore it). Returns the record written to
+    warmstart.json."""
+    if cross_attention not in CROSS_ATTENTION_INITS:
+        raise WarmStartError(f"cross_attention must be one of {', '.join(CROSS_ATTENTION_INITS)}, got {cross_attention!r}")
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -295,6 +306,9 @@ def warm_start_encoder_decoder(
         elif k.startswith("cls.predictions.") and not k.startswith("cls.predictions.decoder."):
             out[f"decoder.{k}"] = v.clone()  # the MLM head; its decoder weight is the tied embedding
     out["decoder.bert.embeddings.position_embeddings.weight"] = positions
+    if cross_attention == "self":
+        for k in [k for k in out if k.startswith("decoder.bert.encoder.layer.") and ".attention." in k]:
+            out[k.replace(".attention.", ".crossattention.", 1)] = out[k].clone()
     own = model.state_dict()
     fresh = sorted(k for k in own if k not in out and k not in model.tied_weights())
     for k in fresh:
@@ -310,6 +324,6 @@ def warm_start_encoder_decoder(
     record.update(architecture="EncoderDecoderModel", decoder_max_length=n_dec,
                   decoder_position_rule=f"row i = source row (i mod {record['source_positions']})",
                   initialised_keys=[f"encoder.{k.removeprefix('bert.')}" for k in record["initialised_keys"]] + fresh,
-                  seed=seed)
+                  seed=seed, cross_attention=cross_attention)
     (destination / "warmstart.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -64,6 +64,35 @@ def test_encoder_and_decoder_both_come_from_the_source(tmp_path, bert):
     assert (ref - mine).abs().max() <= 1e-5
 
 
+def test_cross_attention_can_start_as_the_layers_self_attention(tmp_path, bert, capsys):
+    """--cross-attention self: each decoder layer's cross-attention is a copy of its self-attention
+    (the default summarizer's init: a fresh one stayed unused in training), nothing else changes,
+    and transformers reads the checkpoint to the same logits."""
+    from longdoc.cli import main
+    from longdoc.model import load_pretrained
+
+    assert main(["warmstart", str(tmp_path / "bert"), str(tmp_path / "b2b"), "--encoder-decoder", "--max-length", "64",
+                 "--block-size", "8", "--num-random-blocks", "1", "--cross-attention", "self"]) == 0
+    ours = load_pretrained(tmp_path / "b2b")
+    for layer in ours.decoder.bert.encoder.layer:
+        for name in ("self.query", "self.key", "self.value", "output.dense", "output.LayerNorm"):
+            for part in ("weight", "bias"):
+                own = layer.attention.get_submodule(name).get_parameter(part)
+                assert torch.equal(layer.crossattention.get_submodule(name).get_parameter(part), own)
+    record = json.loads((tmp_path / "b2b" / "warmstart.json").read_text())
+    assert record["cross_attention"] == "self"
+    assert not any("crossattention" in k for k in record["initialised_keys"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        hf = transformers.EncoderDecoderModel.from_pretrained(tmp_path / "b2b").eval()
+    ids = torch.randint(7, 47, (2, 60))
+    with torch.no_grad():
+        assert (hf(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+                - ours(ids, decoder_input_ids=ids[:, :5]).logits).abs().max() <= 1e-5
+    with pytest.raises(SystemExit):
+        main(["warmstart", str(tmp_path / "bert"), str(tmp_path / "x"), "--encoder-decoder", "--cross-attention", "copy"])
+
+
 def test_roberta_source_and_the_cli(tmp_path, capsys):
     from longdoc.cli import main
     from longdoc.model import load_pretrained

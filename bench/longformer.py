@@ -192,8 +192,14 @@ def main() -> None:
     p.add_argument("--config", choices=["base", "tiny"], default="base",
                    help="base = Longformer-base shape; tiny = the tests' tiny Longformer, a smoke test of the "
                         "script (window 16, 512 tokens at most; --positions is ignored) (default: base)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="measure nothing: draw latency and peak RSS against length from every results-LENGTH.json "
+                        "a run left in --work, into this PNG (default: none)")
     p.add_argument("--phase", choices=SYSTEMS, default=None, help="internal: one measurement (default: none)")
     a = p.parse_args()
+    if a.plot:
+        plot(a.work, a.plot)
+        return
     if a.phase:
         print(json.dumps(measure(a.phase, a.work, a.length, a.threads)))
         return
@@ -227,6 +233,51 @@ def main() -> None:
     print(f"Longformer{'-base' if a.config == 'base' else ' (tiny)'} QA, batch 1, {a.length} tokens "
           f"({QUESTION_TOKENS} global; full-* none), {a.threads} threads, median of {a.reps} interleaved rounds")
     print("\n".join(table(results, a.systems)))
+    summary = {"length": a.length, "reps": a.reps, "threads": a.threads, "config": a.config,
+               "systems": {s: summarize(rs) for s, rs in results.items()}}
+    out = a.work / f"results-{a.length}.json"
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"wrote {out} (--plot draws every length's)")
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """One system's median latency and largest peak over its successful rounds (None: all failed)."""
+    ok = [r for r in rounds if "failed" not in r]
+    if not ok:
+        return {"seconds": None, "peak_gib": None, "failed": rounds[0]["failed"] if rounds else "not run"}
+    return {"seconds": statistics.median(r["seconds"] for r in ok), "peak_gib": max(r["peak_gib"] for r in ok)}
+
+
+def plot(work: Path, png: Path) -> None:
+    """Latency and peak RSS against length, log-log, one line per system, from work/results-*.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((json.loads(f.read_text()) for f in work.glob("results-*.json")), key=lambda r: r["length"])
+    if not runs:
+        sys.exit(f"{work}: no results-*.json (run a measurement first)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system in SYSTEMS:
+        points = [(r["length"], r["systems"][system]) for r in runs if r["systems"].get(system, {}).get("seconds")]
+        if not points:
+            continue
+        lengths = [n for n, _ in points]
+        axes[0].plot(lengths, [v["seconds"] for _, v in points], "o-", label=system)
+        axes[1].plot(lengths, [v["peak_gib"] for _, v in points], "o-", label=system)
+    for ax, title in zip(axes, ("latency, batch 1 (s)", "peak RSS (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"Longformer-base QA on CPU ({runs[0]['threads']} threads): block-sparse export vs full attention "
+                 "vs transformers")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    log(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 = CPU autocast, faster where the CPU has bf16 dot products "
                              "(bench/train_precision.py measures it) (default: %(default)s)")
+    parser.add_argument("--freeze-encoder", action="store_true",
+                        help="train the decoder only: the trained MiniLM encoder collapsed (docs/model-summarize.md) "
+                             "(default: off)")
     parser.add_argument("--seed", type=int, default=0, help="data order and dropout (default: %(default)s)")
     parser.add_argument("--init", help="start from this checkpoint instead of a fresh init (default: none)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output (default: off)")
@@ -385,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_target_length=args.max_target_length, batch_size=args.batch_size, max_steps=args.max_steps,
                       lr=lr, warmup_ratio=0.06, weight_decay=0.01, log_every=1, save_every=args.save_every,
                       eval_every=0, keep_checkpoints=3, device="cpu", precision=args.precision, seed=args.seed,
+                      freeze_encoder=args.freeze_encoder,
                       resume=bool(args.resume))
     result = train(cfg)
     print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")

@@ -37,6 +37,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=500, help="0: only at the end")
     p.add_argument("--save-every", type=int, default=500, help="0: only at the end")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest OUTPUT/checkpoint-* kept")
+    p.add_argument("--freeze-encoder", action="store_true",
+                   help="summarize: train the decoder only, the encoder keeps its weights (default: off)")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 autocast on CUDA where supported, else fp16; fp32 on CPU. "
                         "bf16 works on CPU too, fp16 only on CUDA (default: auto)")
@@ -108,6 +110,7 @@ def _train(args) -> int:
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         precision=args.precision,
+        freeze_encoder=args.freeze_encoder,
         device=args.device,
         seed=args.seed,
         plan=args.plan,

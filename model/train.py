@@ -103,6 +103,7 @@ class TrainConfig:
     qa_negative_windows: float = 1.0  # share of answer-less windows kept (see longdoc.model.data.qa_features)
     labels: list[str] | None = None  # classify: label names (default: the model's, else the data's)
     dropout: float | None = None  # override the config's dropout probabilities
+    freeze_encoder: bool = False  # summarize: train the decoder only (see freeze_encoder)
     quiet: bool = False
 
 
@@ -289,6 +290,20 @@ def linear_schedule(warmup: int, total: int):
     return factor
 
 
+def freeze_encoder(model: nn.Module) -> int:
+    """Stop training an encoder-decoder's encoder (requires_grad off; the optimizer skips it),
+    except the tensors it shares with the decoder (Pegasus' tied word table). Why: training the
+    MiniLM BERT2BERT's encoder from the first step collapsed it, every token of every page mapped
+    to nearly one vector, and the decoder learned to ignore the page (docs/model-summarize.md).
+    Returns the number of tensors frozen."""
+    inner = getattr(model, "model", model)  # Pegasus / LED keep encoder and decoder under .model
+    shared = {id(p) for p in inner.decoder.parameters()}
+    frozen = [p for p in inner.encoder.parameters() if id(p) not in shared]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
+
+
 def _parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases, LayerNorm weights and embeddings' padding (BERT practice)."""
     decay, no_decay, seen = [], [], set()
@@ -335,6 +350,8 @@ class Trainer:
             raise ValueError(f"unknown task {cfg.task!r}; expected one of {', '.join(D.TASKS)}")
         if cfg.batch_size < 1 or cfg.grad_accum < 1:
             raise ValueError("batch_size and grad_accum must be >= 1")
+        if cfg.freeze_encoder and cfg.task != "summarize":
+            raise ValueError(f"freeze_encoder is for --task summarize (an encoder-decoder), not {cfg.task!r}")
         self.cfg = cfg
         self.output = Path(cfg.output)
         self.device = _resolve_device(cfg.device)
@@ -376,6 +393,8 @@ class Trainer:
         if source_dir is not None:
             load_weights(self.model, cfg.task, source_dir, log=self.log)
         self.model.to(self.device)
+        if cfg.freeze_encoder:
+            self.log(f"encoder frozen: {freeze_encoder(self.model)} tensors not trained")
 
         # optimisation
         lengths = [len(f["input_ids"]) for f in self.train_features]

@@ -137,3 +137,46 @@ def test_train_summarize_accepts_the_encoder_decoder(tmp_path, bert):
     # the fresh cross-attention was trained
     key = "decoder.bert.encoder.layer.0.crossattention.self.query.weight"
     assert not torch.equal(trained.state_dict()[key], before.state_dict()[key])
+
+
+def test_freeze_encoder_trains_the_decoder_only(tmp_path, bert):
+    """--freeze-encoder (the trained MiniLM encoder collapsed): after training the encoder's
+    weights are the warm start's, the decoder's and the cross-attention's are not; other tasks
+    are refused."""
+    from safetensors.torch import load_file
+
+    from longdoc.cli import main
+    from longdoc.model.warmstart import warm_start_encoder_decoder
+
+    warm_start_encoder_decoder(tmp_path / "bert", tmp_path / "b2b", 128, block_size=8, num_random_blocks=1)
+    rng = random.Random(0)
+    rows = [{"document": " ".join(rng.choice(WORDS) for _ in range(80)), "summary": "w1 w2 w3"} for _ in range(8)]
+    data = write_jsonl(tmp_path / "summarize.jsonl", rows)
+    assert main(["train", "--task", "summarize", "--model", str(tmp_path / "b2b"), "--train", str(data),
+                 "--output", str(tmp_path / "out"), "--max-length", "128", "--max-target-length", "8",
+                 "--batch-size", "4", "--lr", "3e-3", "--max-steps", "2", "--save-every", "0", "--quiet",
+                 "--freeze-encoder"]) == 0
+    before, after = load_file(str(tmp_path / "b2b" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    encoder = [k for k in before if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(before[k], after[k]) for k in encoder)
+    for k in ("decoder.bert.encoder.layer.0.crossattention.self.query.weight",
+              "decoder.bert.encoder.layer.0.attention.self.query.weight"):
+        assert not torch.equal(before[k], after[k])
+    with pytest.raises(ValueError, match="freeze_encoder is for --task summarize"):
+        from longdoc.model.train import TrainConfig, train
+
+        train(TrainConfig(task="mlm", model=str(tmp_path / "b2b"), train=str(data), output=str(tmp_path / "x"),
+                          freeze_encoder=True, quiet=True))
+
+
+def test_freeze_encoder_keeps_pegasus_shared_table_trained():
+    """Pegasus ties the word table between encoder and decoder: freezing the encoder leaves it trained."""
+    from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration
+    from longdoc.model.train import freeze_encoder
+    from tests.model.test_train import PEGASUS
+
+    model = BigBirdPegasusForConditionalGeneration(BigBirdPegasusConfig.from_dict(PEGASUS))
+    n = freeze_encoder(model)
+    assert n > 0 and model.model.shared.weight.requires_grad
+    assert not any(p.requires_grad for name, p in model.model.encoder.named_parameters() if "embed_tokens" not in name)
+    assert all(p.requires_grad for p in model.model.decoder.parameters())

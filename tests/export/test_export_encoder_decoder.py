@@ -86,7 +86,7 @@ def test_verify_fails_on_a_wrong_checkpoint(exported, tmp_path):
 
 def test_real_serve_summarizes_like_the_pytorch_reference(exported, b2b, tmp_path):
     from longdoc.model import load_pretrained
-    from tests.service.conftest import ServeProcess, sse_events
+    from tests.service.conftest import ServeProcess, streamed_tokens
 
     words = "the water of a river is cold and the boy saw a fish in the sea near the farm".split()
     rng = np.random.default_rng(3)
@@ -103,12 +103,6 @@ def test_real_serve_summarizes_like_the_pytorch_reference(exported, b2b, tmp_pat
         want.append(row[: row.index(SEP)] if SEP in row else row)
     assert any(len(w) > 2 for w in want)
     with ServeProcess(["--model", f"b2b={exported('fp32')}", "--no-warmup"], tmp_path / "serve.log") as s:
-        for doc, tokens in zip(docs, want):
-            with httpx.stream("POST", s.url + "/v1/summarize",
-                              json={"document": doc, "stream": True, "max_new_tokens": 12}, timeout=60) as r:
-                assert r.status_code == 200
-                events = sse_events(r.iter_lines())
-            assert [d["id"] for n, d in events if n == "token"] == tokens
-            assert events[-1][0] == "done"
+        assert streamed_tokens(s.url, docs, 12) == want
         models = httpx.get(s.url + "/v1/models", timeout=10).json()
         assert "b2b" in json.dumps(models) and "summarize" in json.dumps(models)

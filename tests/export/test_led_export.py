@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 
-import httpx
 import numpy as np
 import onnx
 import pytest
@@ -205,7 +204,7 @@ def test_real_serve_summarizes_like_transformers(led, tmp_path):
     `<s> document </s>` (the manifest's summarize_input; export/windows.py summarize_window) with
     the first token, `<s>`, global. (The service used to feed `document </s>`, Pegasus' template:
     another token was global and the summaries differed.)"""
-    from tests.service.conftest import ServeProcess, sse_events
+    from tests.service.conftest import ServeProcess, streamed_tokens
 
     _, hf, model = led
     words = "the water of a river is cold and the boy saw a fish in the sea near the farm".split()
@@ -221,13 +220,7 @@ def test_real_serve_summarizes_like_transformers(led, tmp_path):
         want.append(row[: row.index(EOS)] if EOS in row else row)
     assert any(len(w) > 2 for w in want)
     with ServeProcess(["--model", f"led={model.model_dir}", "--no-warmup"], tmp_path / "serve.log") as s:
-        for doc, tokens in zip(docs, want):
-            with httpx.stream("POST", s.url + "/v1/summarize",
-                              json={"document": doc, "stream": True, "max_new_tokens": 12}, timeout=60) as r:
-                assert r.status_code == 200
-                events = sse_events(r.iter_lines())
-            assert [d["id"] for n, d in events if n == "token"] == tokens
-            assert events[-1][0] == "done"
+        assert streamed_tokens(s.url, docs, 12) == want
 
 
 def test_checkpoint_generation_defaults_are_transformers(tmp_path):

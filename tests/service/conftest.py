@@ -108,6 +108,20 @@ def sse_events(lines) -> list[tuple[str, dict]]:
     return events
 
 
+def streamed_tokens(url: str, documents: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Each document summarized by a running server, streamed: its token ids, checking that
+    every stream answered 200 and ended with `done`."""
+    out = []
+    for doc in documents:
+        with httpx.stream("POST", url + "/v1/summarize",
+                          json={"document": doc, "stream": True, "max_new_tokens": max_new_tokens}, timeout=60) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        assert events[-1][0] == "done"
+        out.append([d["id"] for n, d in events if n == "token"])
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

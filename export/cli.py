@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from longdoc.export.manifest import INT8_ATTENTION
+from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS
 from longdoc.export.verify import Agreement
 
 
@@ -26,6 +26,10 @@ def add_commands(subparsers) -> None:
                         "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
                         "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
                         "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
+    p.add_argument("--int8-weights", default="per-tensor", choices=INT8_WEIGHTS,
+                   help="with --dtype int8, the dense layers' weight scales: one per matrix, or one per output "
+                        "column (closer to fp32; the shipped summarizer uses it, docs/model-summarize.md) "
+                        "(default: %(default)s)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "full"],
                    help="Longformer only: sparse = the checkpoint's window and global tokens; full = a benchmark "
                         "baseline, every token attends to every token with the ordinary projections (what a plain "
@@ -101,7 +105,8 @@ def _export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
                      progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite,
-                     int8_attention=args.int8_attention, attention=args.attention)
+                     int8_attention=args.int8_attention, attention=args.attention,
+                     int8_weights=args.int8_weights)
     dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
     print(f"exported {m.architecture} ({m.task}, {dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"

@@ -24,6 +24,9 @@ GLOBAL_TOKENS = ("question", "first", "none")
 DTYPES = ("fp32", "fp16", "int8")
 # how an int8 export runs its encoder attention's products (export/sparse_attention.py's docstring)
 INT8_ATTENTION = ("off", "dynamic", "dynamic-s8", "per-row", "static-p")
+# int8 exports: one scale per weight matrix, or one per output column (onnxruntime's
+# quantize_dynamic per_channel); "per-tensor" in manifests written before the choice existed
+INT8_WEIGHTS = ("per-tensor", "per-channel")
 # the names of the encoder outputs per task (what OnnxModel.run_encoder returns)
 TASK_OUTPUTS = {
     "qa": ("start_logits", "end_logits"),
@@ -76,6 +79,8 @@ class Manifest:
     global_tokens: str = "none"
     # int8 exports: the attention's Q.K^T and P.V as MatMulInteger too (INT8_ATTENTION; "off" = fp32)
     int8_attention: str = "off"
+    # int8 exports: the dense layers' weight scales (INT8_WEIGHTS)
+    int8_weights: str = "per-tensor"
     # summarize: the encoder input's template (longdoc.model.tokenization.SUMMARIZE_INPUTS)
     summarize_input: str = "doc-eos"
 
@@ -171,6 +176,10 @@ def validate(m: Manifest) -> list[str]:
         problems.append(f"int8_attention {m.int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
     elif m.int8_attention != "off" and m.dtype != "int8":
         problems.append(f"int8_attention {m.int8_attention!r} needs dtype 'int8', got {m.dtype!r}")
+    if m.int8_weights not in INT8_WEIGHTS:
+        problems.append(f"int8_weights {m.int8_weights!r} is not one of {', '.join(INT8_WEIGHTS)}")
+    elif m.int8_weights != "per-tensor" and m.dtype != "int8":
+        problems.append(f"int8_weights {m.int8_weights!r} needs dtype 'int8', got {m.dtype!r}")
     if not isinstance(m.graphs, dict) or "encoder" not in m.graphs:
         problems.append("graphs must name an 'encoder' graph")
     elif m.task == "summarize" and "decoder" not in m.graphs:

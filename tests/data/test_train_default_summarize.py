@@ -74,20 +74,53 @@ def test_shrunk_model_gives_the_kept_logits(shrunk):
 MODEL = Path(__file__).resolve().parents[2] / "models" / "summarize"
 
 
-def test_shipped_summarizer_is_long_sparse_small_and_writes_text():
-    from longdoc.export.runtime import OnnxModel
+def summary(model, text: str, **options) -> str:
+    """What the service answers for `text`: its one summarize window, greedy, the manifest's defaults."""
     from longdoc.model.tokenization import summarize_window
+
+    m = model.manifest
+    ids, _ = summarize_window(model.tokenizer.encode(text, add_special_tokens=False).ids, m.max_length,
+                              m.special_tokens, m.summarize_input)
+    out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), **options)[0]
+    return model.tokenizer.decode([t for t in out if t not in m.special_tokens.values()])
+
+
+def test_shipped_summarizer_is_the_long_sparse_bert2bert_and_small():
+    from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(MODEL, threads=1)
     m = model.manifest
     assert (m.task, m.dtype, m.max_length, m.attention["pattern"]) == ("summarize", "int8", 4096, "bigbird")
-    assert sum(f.stat().st_size for f in MODEL.iterdir()) < 64 * 2**20
+    assert m.architecture == "EncoderDecoderModel" and m.summarize_input == "cls-doc-eos"
+    # the shipping defaults (SHIP_GENERATION): end with [SEP] at the token limit, no repeated trigram
+    assert m.decoder["generation"] == {"decoder_start_token_id": 101, "forced_eos_token_id": 102,
+                                       "no_repeat_ngram_size": 3}
+    # int8 MatMuls, fp16 tables: 42 M parameters, the two tables of 19,645 word pieces are most of it
+    assert sum(f.stat().st_size for f in MODEL.iterdir()) < 72 * 2**20
     for name in ("LICENSE", "MODEL_CARD.md", "tokenizer.json", "TRAINING-DATA-COPYRIGHT"):
         assert (MODEL / name).is_file()
-    text = "DESCRIPTION\n       " + " ".join(["These system calls change the owner and group of a file."] * 120)
-    doc = model.tokenizer.encode(text, add_special_tokens=False).ids[:1500]
-    ids, _ = summarize_window(doc, m.max_length, m.special_tokens, m.summarize_input)
-    assert len(ids) > 704  # the block-sparse path
-    out = model.generate(np.array([ids]), np.ones((1, len(ids)), np.int64), max_new_tokens=16)[0]
-    words = model.tokenizer.decode([t for t in out if t not in m.special_tokens.values()]).split()
-    assert 1 <= len(words) <= 16
+
+
+HELDOUT = json.loads((Path(__file__).parent / "heldout_pages.json").read_text())
+
+# held-out pages of the broad corpus' test split (never trained on), a word the shipped model's
+# greedy summary of each must hold (`longdoc serve` answers the same), and the summary on the
+# machine that shipped it. Whole summaries are not pinned: each has a step won by less than 0.1
+# logits, which other CPUs' int8 kernels may flip; the words asserted win by 0.35 or more.
+ABOUT = {
+    "getsockopt.2": "socket",  # "get network socket configuration"; NAME: get and set options on sockets
+    "chown.2": "file",  # "get file permissions"; NAME: change ownership of a file (2,628 tokens: block-sparse)
+    "ip.7": "network",  # "network socket configuration"; NAME: Linux IPv4 protocol implementation (8,757 tokens:
+                        # past the 4096-token window)
+}
+
+
+def test_shipped_summarizer_reads_held_out_pages():
+    from longdoc.export.runtime import OnnxModel
+
+    model = OnnxModel(MODEL, threads=1)
+    got = {name: summary(model, HELDOUT[name], max_new_tokens=32) for name in [*ABOUT, "MB_CUR_MAX.3"]}
+    for name, word in ABOUT.items():
+        assert word in got[name].split(), (name, got[name])
+    # one answer for every page (the earlier default wrote 18 phrases for 108 pages) fails here
+    assert len(set(got.values())) == len(got), got

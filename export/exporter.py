@@ -388,7 +388,7 @@ def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     """Dynamic int8 quantization of the MatMuls with constant weights (the dense layers);
     attention MatMuls multiply two activations and stay fp32. per_channel: one weight scale per
     output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
-    keeps fp32's greedy summary on 103 of 150 pages per column, 38 per matrix)."""
+    keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory() as tmp:

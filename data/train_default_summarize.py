@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="peak learning rate (default: 3e-4 for bert2bert, 5e-4 for pegasus)")
     parser.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N; on CUDA, --precision bf16 is CUDA autocast (default: %(default)s)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 = CPU autocast, faster where the CPU has bf16 dot products "
                              "(bench/train_precision.py measures it) (default: %(default)s)")
@@ -414,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                       output=args.output or OUTPUT[args.arch], max_length=args.max_length,
                       max_target_length=args.max_target_length, batch_size=args.batch_size, max_steps=args.max_steps,
                       lr=lr, warmup_ratio=0.06, weight_decay=0.01, log_every=1, save_every=args.save_every,
-                      eval_every=0, keep_checkpoints=3, device="cpu", precision=args.precision, seed=args.seed,
+                      eval_every=0, keep_checkpoints=3, device=args.device, precision=args.precision, seed=args.seed,
                       freeze_encoder=args.freeze_encoder,
                       resume=bool(args.resume))
     result = train(cfg)

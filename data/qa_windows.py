@@ -21,10 +21,10 @@ from pathlib import Path
 
 def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, cache: dict) -> dict | None:
     context = record["context"]
-    enc = cache.get(id(context))
+    enc = cache.get(context)  # keyed by the text: each JSON line parses a new string for the same page
     if enc is None:
         cache.clear()
-        cache[id(context)] = enc = tokenizer.encode(context, add_special_tokens=False)
+        cache[context] = enc = tokenizer.encode(context, add_special_tokens=False)
     offsets = enc.offsets
     question_tokens = len(tokenizer.encode(record["question"], add_special_tokens=False).ids)
     room = max_length - min(question_tokens, 64) - 3
@@ -48,6 +48,21 @@ def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, 
     return out
 
 
+def records_by_page(source: Path):
+    """The records of a QA JSONL file in page order (stable: a page's questions keep their order),
+    so that each page is tokenized once; read twice, never held whole (the broad set is 11 GB)."""
+    index = []
+    with source.open("rb") as f:
+        while line := f.readline():
+            if line.strip():
+                index.append((json.loads(line)["page"], f.tell() - len(line)))
+    index.sort(key=lambda item: item[0])
+    with source.open("rb") as f:
+        for _page, offset in index:
+            f.seek(offset)
+            yield json.loads(f.readline())
+
+
 def main(argv: list[str] | None = None) -> int:
     from data.build_manpages import load_tokenizer
 
@@ -59,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer()
     rng, cache, kept, dropped = random.Random(args.seed), {}, 0, 0
-    records = [json.loads(line) for line in args.source.open() if line.strip()]
-    records.sort(key=lambda r: r["page"])  # one tokenization per page
     with args.output.open("w") as f:
-        for record in records:
+        for record in records_by_page(args.source):
             out = window_record(record, tokenizer, args.max_length, rng, cache)
             if out is None:
                 dropped += 1

@@ -34,6 +34,7 @@ position row the model meets at 4096 has been trained. 1,320 windows were seen i
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 CHECKPOINT = "data/cache/minilm-bigbird-4096"
 
@@ -45,23 +46,18 @@ def write_sibling_windows(output: str, max_length: int, siblings: int, seed: int
     that window: identical text, different question and answer. The model cannot get those right
     without reading the question (the shipped phases 1-3 answered several questions of one page
     with the same sentence)."""
+    import itertools
     import json
     import random
-    from collections import defaultdict
 
     from data.build_manpages import load_tokenizer
-    from data.qa_windows import window_record
+    from data.qa_windows import records_by_page, window_record
 
     tokenizer, rng, cache = load_tokenizer(), random.Random(seed), {}
-    by_page = defaultdict(list)
-    for line in open(source):
-        if line.strip():
-            record = json.loads(line)
-            by_page[record["page"]].append(record)
     primary = extra = 0
     with open(output, "w") as f:
-        for page in sorted(by_page):
-            records = by_page[page]
+        for _page, group in itertools.groupby(records_by_page(Path(source)), key=lambda r: r["page"]):
+            records = list(group)  # one page's questions at a time
             for record in records:
                 window = window_record(record, tokenizer, max_length, rng, cache)
                 if window is None:
@@ -97,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                              "questions of the same page whose answers lie in that window (same text, other question)")
     args = parser.parse_args(argv)
     if args.siblings:
-        print(write_sibling_windows(args.train, args.max_length, args.siblings, args.seed))
+        # from the whole-page questions beside the windows file (data/cache/manpages/qa_train.jsonl for
+        # the shipped recipe, data/cache/manpages-broad/... for the broad corpus)
+        print(write_sibling_windows(args.train, args.max_length, args.siblings, args.seed,
+                                    source=str(Path(args.train).with_name("qa_train.jsonl"))))
 
     import torch
 

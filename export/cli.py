@@ -66,8 +66,9 @@ def add_commands(subparsers) -> None:
         ("--min-label-agreement", "label", "FRACTION",
          "int8 classify/MLM: label (argmax token) identical in at least this fraction"),
         ("--min-token-agreement", "tokens", "FRACTION",
-         "int8 summarize: the first --token-prefix greedy tokens identical in at least this fraction of rows"),
-        ("--token-prefix", "tokens_prefix", "N", "int8 summarize: how many leading greedy tokens must agree"),
+         "int8 summarize: rows whose reference greedy tokens (the first --token-prefix) all rank in the export's top 3, "
+         "fed the reference's own prefix, at least this fraction"),
+        ("--token-prefix", "tokens_prefix", "N", "int8 summarize: how many leading greedy tokens are checked"),
     ):
         default = getattr(Agreement(), name)
         v.add_argument(flag, dest=name, type=type(default), default=default, metavar=metavar,

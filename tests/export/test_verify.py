@@ -131,3 +131,46 @@ def test_fp16_criteria_allow_ties_at_fp16_precision_only():
     assert _same_or_tie(got, want, 2 * tol).tolist() == [True, False]
     assert _same_or_tie(got, want, 0.0).tolist() == [False, False]  # fp32: exact agreement only
     assert _scaled(1e-4, want, "fp32") == 1e-4 and _scaled(1e-2, want / 10, "fp16") == 1e-2
+
+
+class _TeacherForced:
+    """A stand-in export whose decoder returns fixed logits (B, T, V) for the reference's prefix."""
+
+    def __init__(self, logits):
+        self.logits, self.fed = np.asarray(logits, np.float32), None
+
+    def encode_for_decoding(self, ids, mask):
+        return None
+
+    def empty_past(self, batch):
+        return []
+
+    def decoder_step(self, state, input_ids, position_ids, self_mask, past):
+        self.fed = np.asarray(input_ids)
+        return self.logits[:, : self.fed.shape[1]], []
+
+
+def test_int8_summarize_is_judged_by_where_the_export_ranks_the_reference_tokens():
+    """A faithful int8 summarizer breaks a near tie the other way and its greedy search then parts
+    from the reference's for good: verify used to count that row as a disagreement (the default
+    summarizer, trained on a GPU, failed with 2 of 4 random rows while its ROUGE on 901 real pages
+    equals the fp32 export's). Fed the reference's own prefix, its tokens rank near the top; the
+    tokens of other weights do not."""
+    from longdoc.export.verify import reference_tokens_in_top
+
+    START, EOS, V = 1, 2, 10
+    want = [[START, 5, 6, 7, 8], [START, 4, EOS, 0, 0]]  # the second reference ends after one token
+    logits = np.zeros((2, 4, V))
+    logits[0, 0, [5, 9]] = [3.0, 3.01]  # a near tie the export breaks the other way (rank 2)
+    logits[0, 1, 6], logits[0, 2, 7], logits[0, 3, 8] = 1.0, 1.0, 1.0
+    logits[1, 0, 4], logits[1, 1, EOS] = 1.0, 1.0
+    logits[1, 2:, 3] = 9.0  # after the reference's eos: not judged
+    fake = _TeacherForced(logits)
+    ids, mask = np.ones((2, 8), np.int64), np.ones((2, 8), np.int64)
+    assert reference_tokens_in_top(fake, ids, mask, want, 4, 3, EOS) == [True, True]
+    assert fake.fed.tolist() == [[START, 5, 6, 7], [START, 4, EOS, EOS]]  # the reference's prefix, eos-filled
+    assert reference_tokens_in_top(fake, ids, mask, want, 4, 1, EOS) == [False, True]  # rank 2 is not top 1
+    far = logits.copy()
+    far[0, 2, :] = np.arange(V)  # the reference's 7 ranks third of ten: fine; its 8 at the next step...
+    far[0, 3, :] = np.arange(V)[::-1]  # ...ranks ninth: another model's choice, not a tie
+    assert reference_tokens_in_top(_TeacherForced(far), ids, mask, want, 4, 3, EOS) == [False, True]

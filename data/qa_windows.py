@@ -14,6 +14,7 @@ window. Test files are never windowed: evaluation reads whole pages.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 from pathlib import Path
@@ -23,15 +24,16 @@ def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, 
     context = record["context"]
     enc = cache.get(context)  # keyed by the text: each JSON line parses a new string for the same page
     if enc is None:
-        cache.clear()
+        cache.clear()  # one page at a time: its encoding and its token offsets, searched by bisection
         cache[context] = enc = tokenizer.encode(context, add_special_tokens=False)
     offsets = enc.offsets
     question_tokens = len(tokenizer.encode(record["question"], add_special_tokens=False).ids)
     room = max_length - min(question_tokens, 64) - 3
     answer = record["answers"][0]
     start_char, end_char = answer["start"], answer["start"] + len(answer["text"])
-    first = next(i for i, (s, e) in enumerate(offsets) if e > start_char)
-    last = next(i for i in reversed(range(len(offsets))) if offsets[i][0] < end_char)
+    ends, starts = cache.setdefault("ends", [e for _, e in offsets]), cache.setdefault("starts", [s for s, _ in offsets])
+    first = bisect.bisect_right(ends, start_char)  # the first token ending after the answer's start
+    last = bisect.bisect_left(starts, end_char) - 1  # the last token starting before its end
     span = last - first + 1
     if span > room:
         return None

@@ -236,7 +236,7 @@ def phase_pegasus(work: str, device: str, tiny: bool) -> dict:
             states, tokens = worker.begin([ids[0].tolist()]), [start_token]
             for _ in range(n):
                 tokens = [int(worker.step(states, tokens)[0].argmax())]
-            worker.decoder.release() if cuda else None
+            worker.release()
             made = n
         else:
             t = {k: torch.from_numpy(v).to(theirs.device) for k, v in (("input_ids", ids), ("attention_mask", mask))}

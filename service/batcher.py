@@ -505,6 +505,7 @@ class DecodeScheduler:
                 live.append(job)
         self.running = live
         if not live:
+            await self.slot.call(self.slot.worker.release)
             return
         self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
         logits = await self.slot.call(self.slot.worker.step, [j.state for j in live],
@@ -522,6 +523,8 @@ class DecodeScheduler:
             else:
                 still.append(job)
         self.running = still
+        if not still:  # the last sequence left: its device state goes with it
+            await self.slot.call(self.slot.worker.release)
 
     async def drain(self, grace_s: float) -> None:
         self.draining = True

@@ -1,6 +1,6 @@
 """Workers: the only things that run a model. The seam to the HTTP side is narrow (as in
 text-embeddings-inference's backend trait): `info`, `health()`, `max_batch_tokens`,
-`warmup()`, `run(batch)` for encoders, and `begin`/`step`/`generate` for summarization.
+`warmup()`, `run(batch)` for encoders, and `begin`/`step`/`release`/`generate` for summarization.
 A worker never sees a pydantic model or a request; the batcher calls it from one thread.
 `step` returns raw next-token logits: the scheduler chooses tokens with model/search.py, per
 sequence with its own `SearchSettings`. `generate(input_ids, settings, should_stop)` runs the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -69,6 +70,7 @@ class Worker(Protocol):
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]: ...  # outputs (B, S, ...)
     def begin(self, input_ids: list[list[int]]) -> list[Any]: ...  # summarize: encode, one state each
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray: ...  # (n, vocab) next-token logits
+    def release(self) -> None: ...  # summarize: nothing is decoding, free the batch's device state
     def generate(self, input_ids: list[int], settings: SearchSettings,
                  should_stop: Callable[[], bool] | None = None) -> list[int]: ...  # generated tokens, no eos
     def close(self) -> None: ...
@@ -102,28 +104,6 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
     )
 
 
-@dataclass
-class _DecodeState:
-    """One sequence being summarized: its own encoder state and decoder KV cache, so that
-    sequences of different ages can be stacked into one decoder step and leave it freely."""
-
-    cross: list[np.ndarray]  # per decoder layer key, value: (1, H, Se, D)
-    encoder_mask: np.ndarray  # (1, Se)
-    past: list[np.ndarray]  # per decoder layer key, value: (1, H, P, D), P = length
-    length: int = 0  # decoder tokens fed so far (= its next position id)
-
-
-def _stack_padded(arrays: list[np.ndarray], axis: int, left: bool = False) -> np.ndarray:
-    """Concatenate (1, ...) arrays along batch, zero-padding `axis` to the longest."""
-    n = max(a.shape[axis] for a in arrays)
-    out = []
-    for a in arrays:
-        pad = [(0, 0)] * a.ndim
-        pad[axis] = (n - a.shape[axis], 0) if left else (0, n - a.shape[axis])
-        out.append(np.pad(a, pad) if n != a.shape[axis] else a)
-    return np.concatenate(out, axis=0)
-
-
 class OnnxWorker:
     """ONNX Runtime on the CPU execution provider; threads = intra-op threads (None: ORT's choice)."""
 
@@ -138,6 +118,7 @@ class OnnxWorker:
         # the padded-token budget of one batch; a single sequence over it still runs (alone)
         self.max_batch_tokens = max_batch_tokens
         self._healthy = True
+        self.decoder = DeviceDecoder(self.model, kind, device_id) if self.info.task == "summarize" else None
 
     def health(self) -> bool:
         return self._healthy
@@ -149,50 +130,31 @@ class OnnxWorker:
         if self.info.task == "summarize":
             states = self.begin([ids[0].tolist()])
             self.step(states, [self.info.special_tokens["decoder_start"]])
+            self.release()
         else:
             self.run(EncoderBatch(ids, np.ones_like(ids), np.zeros_like(ids)))
 
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        return self._guard(self.model.run_encoder, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+
+    # summarization: one state per sequence, kept on the worker's device (DeviceDecoder)
+    def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
+        return self._guard(self.decoder.begin, input_ids)
+
+    def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
+        return self._guard(self.decoder.step, states, tokens)
+
+    def release(self) -> None:
+        """Nothing is decoding: free the running batch's device state."""
+        if self.decoder is not None:
+            self.decoder.release()
+
+    def _guard(self, fn, *args):
         try:
-            return self.model.run_encoder(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+            return fn(*args)
         except Exception:
             self._healthy = False
             raise
-
-    # summarization: one state per sequence; step() stacks sequences of different ages
-    def begin(self, input_ids: list[list[int]]) -> list[_DecodeState]:
-        longest = max(len(x) for x in input_ids)
-        pad = self.info.special_tokens.get("pad") or 0
-        ids = np.full((len(input_ids), longest), pad, dtype=np.int64)  # (B, S)
-        mask = np.zeros_like(ids)
-        for i, x in enumerate(input_ids):
-            ids[i, : len(x)], mask[i, : len(x)] = x, 1
-        enc = self.model.encode_for_decoding(ids, mask)  # cross: (B, H, Se, D) per layer k/v
-        empty = self.model.empty_past(1)
-        return [
-            _DecodeState([c[i : i + 1] for c in enc.cross], enc.encoder_mask[i : i + 1], list(empty))
-            for i in range(len(input_ids))
-        ]
-
-    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
-        from longdoc.export.runtime import EncoderState
-
-        n_kv = len(states[0].past)
-        cross = [_stack_padded([s.cross[k] for s in states], axis=2) for k in range(n_kv)]  # (B, H, Se, D)
-        enc_mask = _stack_padded([s.encoder_mask for s in states], axis=1)  # (B, Se)
-        # past left-padded to the oldest sequence; the self mask hides the padding
-        past = [_stack_padded([s.past[k] for s in states], axis=2, left=True) for k in range(n_kv)]  # (B, H, P, D)
-        P = past[0].shape[2]
-        self_mask = np.zeros((len(states), P + 1), dtype=np.int64)  # (B, P + 1)
-        for i, s in enumerate(states):
-            self_mask[i, P - s.length :] = 1
-        positions = np.array([[s.length] for s in states], dtype=np.int64)  # (B, 1)
-        ids = np.array([[t] for t in tokens], dtype=np.int64)  # (B, 1)
-        logits, present = self.model.decoder_step(EncoderState(cross, enc_mask), ids, positions, self_mask, past)
-        for i, s in enumerate(states):
-            s.past = [p[i : i + 1, :, P - s.length :] for p in present]  # (1, H, length + 1, D)
-            s.length += 1
-        return logits[:, -1]  # (B, V)
 
     def generate(self, input_ids: list[int], settings: SearchSettings,
                  should_stop: Callable[[], bool] | None = None) -> list[int]:
@@ -209,8 +171,8 @@ class OnnxWorker:
 class IoBindingEncoder:
     """The encoder through ONNX Runtime I/O binding: the layout tables (identical for every
     batch of one padded length) are uploaded to the device once per length and bound as
-    OrtValues; only ids and masks are copied per run. Works on any execution provider (the
-    tests run it on CPU against `OnnxModel.run_encoder`). Uses OnnxModel's `_encoder_feed` and
+    OrtValues; only ids and masks are copied per run. Works on any execution provider (the tests
+    run it on CPU against `OnnxModel.run_encoder`). Uses OnnxModel's `_encoder_feed` and
     `sessions` (export/runtime.py) to build exactly the inputs `run_encoder` would."""
 
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0, cache_size: int = 16):
@@ -227,14 +189,15 @@ class IoBindingEncoder:
         self._layouts: dict[int, dict[str, Any]] = {}  # padded length -> name -> OrtValue on the device
         self.cache_size = cache_size
 
-    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
-        feed, S = self.model._encoder_feed(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    def bind_inputs(self, binding, feed: dict[str, np.ndarray]) -> int:
+        """Bind one feed of `_encoder_feed`; the bytes copied to the device (layout tables: once
+        per padded length)."""
         padded = feed["input_ids"].shape[1]
-        binding = self.session.io_binding()
-        cached = self._layouts.get(padded)
+        cached, copied = self._layouts.get(padded), 0
         if cached is None:
             cached = {k: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), self.device_type, self.device_id)
                       for k, v in feed.items() if k in self.layout_names}
+            copied += sum(feed[k].nbytes for k in cached)
             if len(self._layouts) >= self.cache_size:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[padded] = cached
@@ -243,6 +206,13 @@ class IoBindingEncoder:
                 binding.bind_ortvalue_input(name, cached[name])
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                copied += value.nbytes
+        return copied
+
+    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
+        feed, S = self.model._encoder_feed(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        binding = self.session.io_binding()
+        self.bind_inputs(binding, feed)
         for name in self.outputs:
             binding.bind_output(name, "cpu")  # results come back to the host anyway
         self.session.run_with_iobinding(binding)
@@ -253,66 +223,158 @@ class IoBindingEncoder:
         return result
 
 
-class IoBindingDecoder:
-    """Greedy decoder steps through ONNX Runtime I/O binding, for the summarizer on a GPU: the
-    batch's KV cache (`present_*`), its cross-attention keys/values and encoder mask stay on the
-    device between steps; per step only the new token ids, position ids and the self mask go up
-    and only the logits come back. Valid while the batch is the same sequences in the same order
-    (the DecodeScheduler's steady state); when sequences join or leave, the device cache is copied
-    back into each state's `past` (`release`) and the new batch is stacked on the host and
-    uploaded, as `OnnxWorker.step` does. Works on any execution provider (tested on CPU against
-    `OnnxWorker.step`, i.e. `OnnxModel.decoder_step`)."""
+@dataclass(eq=False)
+class _EncodedGroup:
+    """The sequences of one `DeviceDecoder.begin`: their cross-attention keys/values, on the device
+    as the encoder wrote them, until their first step moves them into the running batch."""
+
+    cross: list[Any]  # OrtValues, per decoder layer key, value: (n, H, Se, D)
+    length: int  # Se: the group's encoder length (padded to the block size)
+
+
+@dataclass(eq=False)
+class DecodeState:
+    """One sequence being summarized. Its encoder state and KV cache live on the worker's device:
+    in its encoded group until its first step, then in the running batch (`DeviceDecoder._batch`).
+    The host keeps only its encoder mask row and its length."""
+
+    group: _EncodedGroup | None  # None once it is in the running batch
+    row: int  # its row in `group`
+    encoder_mask: np.ndarray  # (Se,) int64, 1 = real token
+    length: int = 0  # decoder tokens fed so far (= its next position id)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The running decode batch on the device, rows in `states` order."""
+
+    states: tuple[DecodeState, ...]
+    ids: frozenset[int]
+    cross: list[Any]  # OrtValues (B, H, Se, D), right-padded; the encoder mask hides the padding
+    past: list[Any]  # OrtValues (B, H, P, D), left-padded; the self mask hides the padding
+    encoder_mask: Any  # OrtValue (B, Se) int64
+    Se: int
+    P: int
+
+
+class DeviceDecoder:
+    """Iteration-level decoding with the decode state on the worker's device (issue 24). A
+    sequence's cross-attention keys/values are written there by the encoder (`begin`: its outputs
+    are bound to the device) and never cross to the host; its KV cache (`present_*`) is bound as
+    the next step's `past_*`. When sequences join or leave, the new batch is assembled on the
+    device by `Regroup` (gather the rows that stay, crop/pad, concatenate the newcomers); the host
+    sends only per-step tensors: token ids, position ids, the self mask, and the encoder mask when
+    the batch changes. `copied` counts the bytes sent to the device by kind, `regroup.moved` those
+    written device-to-device. The same code runs on the CPU provider (the CPU worker) and CUDA."""
 
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0):
-        import onnxruntime as ort
+        from longdoc.export.runtime import execution_providers
+        from longdoc.service.regroup import Regroup
 
-        self.ort = ort
         self.model = model
         self.session = model.sessions["decoder"]
+        d = model.manifest.decoder
+        self.kv = [f"{kind}_{i}" for i in range(d["num_layers"]) for kind in ("key", "value")]  # past order
+        self.heads, self.head_dim = d["num_heads"], d["head_dim"]
+        self.encoder = IoBindingEncoder(model, device_type, device_id)
+        self.regroup = Regroup(model.float_type, 4, execution_providers(model.device, model.device_id),
+                               device_type, device_id)
         self.device_type, self.device_id = device_type, device_id
-        L = model.manifest.decoder["num_layers"]
-        self.kv = [f"{kind}_{i}" for i in range(L) for kind in ("key", "value")]  # past order: key_0, value_0, ...
-        self._batch: dict[str, Any] | None = None  # the batch whose caches live on the device
-        self.uploads = 0  # times a batch was stacked and uploaded (tests: reuse between steps)
+        self._batch: _Batch | None = None
+        self.copied: Counter[str] = Counter()  # host -> device bytes: encoder_inputs, masks, step_inputs, past
+        self.regroups = 0  # times the batch was reassembled (joins and leaves)
 
-    def _device(self, a: np.ndarray):
-        return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, self.device_id)
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, value: str) -> None:  # tests/fake_cuda.on_cpu points every copy at the CPU
+        self._device_type = self.encoder.device_type = self.regroup.device_type = value
+
+    def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
+        """Encode a group of sequences; their cross keys/values stay on the device."""
+        longest = max(len(x) for x in input_ids)
+        pad = self.model.manifest.special_tokens.get("pad") or 0
+        ids = np.full((len(input_ids), longest), pad, dtype=np.int64)  # (n, S)
+        mask = np.zeros_like(ids)
+        for i, x in enumerate(input_ids):
+            ids[i, : len(x)], mask[i, : len(x)] = x, 1
+        feed, _ = self.model._encoder_feed(ids, mask)
+        binding = self.encoder.session.io_binding()
+        self.copied["encoder_inputs"] += self.encoder.bind_inputs(binding, feed)
+        names = [f"cross_{n}" for n in self.kv]
+        for name in names:
+            binding.bind_output(name, self.device_type, self.device_id)
+        self.encoder.session.run_with_iobinding(binding)
+        enc_mask = feed["attention_mask"]  # (n, Se), padded to the block size
+        group = _EncodedGroup(binding.get_outputs(), enc_mask.shape[1])
+        return [DecodeState(group, i, enc_mask[i]) for i in range(len(input_ids))]
 
     def release(self) -> None:
-        """Copy the device KV cache back into the states' `past` and forget the device batch."""
-        b, self._batch = self._batch, None
-        if b is None:
-            return
-        host = [v.numpy() for v in b["past"]]  # (B, H, P, D)
-        P = host[0].shape[2]
-        for i, s in enumerate(b["states"]):
-            s.past = [p[i : i + 1, :, P - s.length :] for p in host]
+        self._batch = None
 
-    def _upload(self, states: list[_DecodeState]) -> dict[str, Any]:
-        n_kv = len(self.kv)
-        cross = [_stack_padded([s.cross[k] for s in states], axis=2) for k in range(n_kv)]  # (B, H, Se, D)
-        enc_mask = _stack_padded([s.encoder_mask for s in states], axis=1)  # (B, Se)
-        past = [_stack_padded([s.past[k] for s in states], axis=2, left=True) for k in range(n_kv)]  # (B, H, P, D)
-        self.uploads += 1
-        return {"key": tuple(map(id, states)), "states": tuple(states), "P": past[0].shape[2],
-                "past": [self._device(p) for p in past], "cross": [self._device(c) for c in cross],
-                "encoder_mask": self._device(enc_mask)}
+    def _upload(self, kind: str, a: np.ndarray):
+        self.copied[kind] += a.nbytes
+        return self.regroup.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type,
+                                                             self.device_id)
 
-    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
+    def _assemble(self, states: list[DecodeState]) -> _Batch:
+        """The batch for `states`, built on the device: the rows of the running batch that stay
+        (in their order), then the newcomers, group by group."""
+        old = self._batch
+        wanted = {id(s) for s in states}
+        rows = {id(s): r for r, s in enumerate(old.states)} if old else {}
+        stay = [s for s in (old.states if old else ()) if id(s) in wanted]
+        new = [s for s in states if id(s) not in rows]
+        if any(s.group is None for s in new):
+            raise ValueError("a sequence that left the decode batch cannot rejoin it (its state was freed)")
+        groups = list({id(s.group): s.group for s in new}.values())
+        order = stay + [s for g in groups for s in new if s.group is g]
+        Se = max(len(s.encoder_mask) for s in order)
+        cross_parts = []
+        if stay:
+            cross_parts.append(self.regroup.take(old.cross, [rows[id(s)] for s in stay], 2, 0, min(old.Se, Se),
+                                                 pad_after=max(0, Se - old.Se)))
+        for g in groups:
+            cross_parts.append(self.regroup.take(g.cross, [s.row for s in new if s.group is g], 2, 0, g.length,
+                                                 pad_after=Se - g.length))
+        cross = self.regroup.concat(cross_parts)
+        P = max((s.length for s in stay), default=0)
+        if stay:  # newcomers have no past: any rows do, the self mask hides them all
+            keep = [rows[id(s)] for s in stay] + [rows[id(stay[0])]] * len(new)
+            past = self.regroup.take(old.past, keep, 2, old.P - P, old.P)
+        else:
+            past = [self._upload("past", np.zeros((len(order), self.heads, 0, self.head_dim), self.model.float_type))
+                    for _ in self.kv]
+        enc_mask = np.zeros((len(order), Se), np.int64)  # (B, Se)
+        for i, s in enumerate(order):
+            enc_mask[i, : len(s.encoder_mask)] = s.encoder_mask
+        for s in new:
+            s.group = None
+        self.regroups += 1
+        return _Batch(tuple(order), frozenset(map(id, order)), cross, past, self._upload("masks", enc_mask), Se, P)
+
+    def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
+        """One decoder step for `states` (any order; newcomers from `begin` join here, absent ones
+        leave): (n, V) next-token logits, rows in `states` order."""
         b = self._batch
-        if b is None or b["key"] != tuple(map(id, states)):  # the states are held by b: ids are unique
-            self.release()
-            b = self._upload(states)
-        P = b["P"]
+        if b is None or b.ids != {id(s) for s in states} or len(states) != len(b.states):
+            b = self._batch = self._assemble(states)
+        at = {id(s): i for i, s in enumerate(states)}
+        perm = np.array([at[id(s)] for s in b.states])  # batch row -> position in `states`
+        P = b.P
         self_mask = np.zeros((len(states), P + 1), dtype=np.int64)  # (B, P + 1), past left-padded
-        for i, s in enumerate(states):
+        for i, s in enumerate(b.states):
             self_mask[i, P - s.length :] = 1
+        ids = np.array([[tokens[j]] for j in perm], dtype=np.int64)  # (B, 1)
+        positions = np.array([[s.length] for s in b.states], dtype=np.int64)  # (B, 1)
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([[t] for t in tokens], dtype=np.int64))  # (B, 1)
-        binding.bind_cpu_input("position_ids", np.array([[s.length] for s in states], dtype=np.int64))
-        binding.bind_cpu_input("self_mask", self_mask)
-        binding.bind_ortvalue_input("encoder_mask", b["encoder_mask"])
-        for name, past, cross in zip(self.kv, b["past"], b["cross"]):
+        for name, value in (("input_ids", ids), ("position_ids", positions), ("self_mask", self_mask)):
+            binding.bind_cpu_input(name, value)
+            self.copied["step_inputs"] += value.nbytes
+        binding.bind_ortvalue_input("encoder_mask", b.encoder_mask)
+        for name, past, cross in zip(self.kv, b.past, b.cross):
             binding.bind_ortvalue_input(f"past_{name}", past)
             binding.bind_ortvalue_input(f"cross_{name}", cross)
         binding.bind_output("logits", "cpu")
@@ -320,20 +382,21 @@ class IoBindingDecoder:
             binding.bind_output(f"present_{name}", self.device_type, self.device_id)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        logits = outputs[0].numpy()  # (B, 1, V)
-        for s in states:
-            s.past = None  # on the device until release()
+        b.past, b.P = outputs[1:], P + 1
+        for s in b.states:
             s.length += 1
-        self._batch = dict(b, past=outputs[1:], P=P + 1)
-        return logits[:, -1]
+        logits = outputs[0].numpy()[:, -1]  # (B, V)
+        out = np.empty_like(logits)
+        out[perm] = logits
+        return out
 
 
 class CudaWorker(OnnxWorker):
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
-    hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). Greedy decoder
-    steps of a summarizer go through `IoBindingDecoder` (the KV cache stays on the GPU). Both
-    I/O-binding paths are tested on CPU (tests/fake_cuda.py) and on a real GPU where there is one
+    hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). A summarizer's decode
+    state stays on the GPU (`DeviceDecoder`, as on the CPU worker). Both I/O-binding paths are
+    tested on CPU (tests/fake_cuda.py) and on a real GPU where there is one
     (tests/service/test_gpu.py; run on an H200: docs/gpu.md). `cuda:N` runs on GPU N (the CUDA
     provider's `device_id` option; `cuda` is GPU 0)."""
 
@@ -344,7 +407,6 @@ class CudaWorker(OnnxWorker):
             raise ValueError(f"device {device!r}: CudaWorker needs cuda or cuda:N")
         super().__init__(name, directory, device=device, threads=threads, max_batch_tokens=max_batch_tokens)
         self.encoder = IoBindingEncoder(self.model, "cuda", device_id)
-        self.decoder = IoBindingDecoder(self.model, "cuda", device_id) if self.info.task == "summarize" else None
         if self.info.dtype != "fp16":
             import logging
 
@@ -352,19 +414,7 @@ class CudaWorker(OnnxWorker):
                                                          self.info.dtype)
 
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
-        try:
-            return self.encoder.run(batch)
-        except Exception:
-            self._healthy = False
-            raise
-
-    def step(self, states: list[_DecodeState], tokens: list[int]) -> np.ndarray:
-        """One greedy decoder step; the batch's KV cache stays on the GPU between steps."""
-        try:
-            return self.decoder.step(states, tokens)
-        except Exception:
-            self._healthy = False
-            raise
+        return self._guard(self.encoder.run, batch)
 
 
 def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Worker:
@@ -455,6 +505,9 @@ class FakeWorker:
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
         self.steps.append(len(states))
         return self._next_logits(states)
+
+    def release(self) -> None:
+        pass
 
     def _next_logits(self, states: list[Any]) -> np.ndarray:
         if self.delay_s:

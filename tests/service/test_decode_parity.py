@@ -56,8 +56,7 @@ def reference(model, ids: list[int], **options) -> list[int]:
 @pytest.fixture(params=["cpu", "io-binding"])
 def make_worker(request, monkeypatch):
     """The CPU worker, or the CUDA worker (ONNX Runtime claims CUDA, sessions run on CPU) with its
-    I/O-binding encoder and decoder on the CPU provider: the KV cache stays in OrtValues between
-    decoder steps and is copied back whenever a sequence joins or leaves."""
+    I/O-binding encoder on the CPU provider; both decode with the state on the device (DeviceDecoder)."""
 
     def make(directory) -> OnnxWorker:
         if request.param == "cpu":

@@ -293,37 +293,3 @@ def test_generate_should_stop_is_checked_between_decoder_steps(offline):
         with pytest.raises(GenerationStopped):
             m.generate(ids, mask, max_new_tokens=12, num_beams=beams, should_stop=stop)
         assert len(calls) == 4
-
-
-def test_io_binding_decoder_matches_decoder_step(tiny_summarize_dir):
-    """The CUDA worker's decoder path (KV cache kept on the device between steps), run on the CPU
-    provider: the same logits as OnnxWorker.step (OnnxModel.decoder_step) for the same tokens,
-    while sequences of different lengths join and leave; the cache is uploaded only when the
-    batch changes."""
-    from longdoc.service.workers import IoBindingDecoder, OnnxWorker
-
-    host = OnnxWorker("sum", tiny_summarize_dir, "cpu", threads=1)
-    dec = IoBindingDecoder(host.model, "cpu")
-    m = host.model
-    eos = m.manifest.special_tokens["eos"]
-    docs = [m.tokenizer.encode(text_of(n, seed=n), add_special_tokens=False).ids + [eos] for n in (40, 25, 60)]
-    start = host.info.special_tokens["decoder_start"]
-    a_host, a_dev = host.begin(docs[:2]), host.begin(docs[:2])
-    c_host, c_dev = host.begin(docs[2:]), host.begin(docs[2:])
-    tokens = {}  # id(host state) -> next token, greedy from the host logits
-    plan = [(0, 1)] * 3 + [(0, 1, 2)] * 3 + [(1, 2)] * 3  # sequence 2 joins at step 4, 0 leaves at step 7
-    for live in plan:
-        hs = [(a_host + c_host)[i] for i in live]
-        ds = [(a_dev + c_dev)[i] for i in live]
-        toks = [tokens.get(id(s), start) for s in hs]
-        want = host.step(hs, toks)
-        got = dec.step(ds, toks)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        for s, row in zip(hs, want):
-            tokens[id(s)] = int(np.argmax(row))
-    assert dec.uploads == 3  # once per batch composition, not per step
-    dec.release()
-    for h, d in zip(a_host + c_host, a_dev + c_dev):
-        assert h.length == d.length
-        for x, y in zip(h.past, d.past):
-            np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)

@@ -61,20 +61,24 @@ def test_cuda_worker_encoder_matches_the_cpu_worker(fp16):
 
 @pytest.mark.parametrize("model", ["summarize", "bert2bert"])
 def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model):
-    """Greedy steps with the KV cache on the GPU, sequences joining mid-way (cache copied back and
-    re-uploaded), against the CPU worker's host-side cache."""
+    """Greedy steps with the decode state on the GPU, a sequence joining mid-way (the batch
+    assembled on the GPU), against the CPU worker's."""
     gpu_dir, _, cpu_dir = fp16[model]
     gpu, cpu = CudaWorker("sum", gpu_dir, "cuda"), OnnxWorker("sum", cpu_dir, "cpu", threads=1)
     start = gpu.info.special_tokens["decoder_start"]
     docs = [list(range(7, 307)), list(range(20, 120))]
     g_states, c_states = gpu.begin(docs[:1]), cpu.begin(docs[:1])
     tokens = [start]
-    for step in range(6):
+    for step in range(8):
         if step == 3:  # a second sequence joins
             g_states += gpu.begin(docs[1:])
             c_states += cpu.begin(docs[1:])
             tokens.append(start)
+        if step == 6:  # the first leaves
+            g_states, c_states, tokens = g_states[1:], c_states[1:], tokens[1:]
         got, want = gpu.step(g_states, tokens), cpu.step(c_states, tokens)
         # verify's fp16 criterion: 1e-2 x max(1, max |reference|) (fp16 is computed as fp16 on a GPU)
         np.testing.assert_allclose(got, want, atol=_scaled(TOLERANCE["fp16"], want, "fp16"), rtol=0)
         tokens = [int(t) for t in want.argmax(axis=-1)]
+    assert set(gpu.decoder.copied) == {"encoder_inputs", "masks", "step_inputs", "past"}  # no cross state
+    assert gpu.decoder.regroups == 3 and gpu.decoder.regroup.moved > 0

@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from longdoc.model.search import resolve_settings
-from longdoc.service.workers import (CudaWorker, EncoderBatch, IoBindingDecoder, IoBindingEncoder, OnnxWorker,
+from longdoc.service.workers import (CudaWorker, DeviceDecoder, EncoderBatch, IoBindingEncoder, OnnxWorker,
                                      onnx_worker_factory)
 from longdoc.service.settings import Settings
 from tests.fake_cuda import claim_cuda, on_cpu
@@ -54,7 +54,7 @@ assert len(beam) <= 3
 got = IoBindingEncoder(cpu_qa.model, "cpu").run(batch)
 for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
-got_logits = summarize_step(cpu_sum, IoBindingDecoder(cpu_sum.model, "cpu").step)
+got_logits = summarize_step(cpu_sum, DeviceDecoder(cpu_sum.model, "cpu").step)
 np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
 
 # the CUDA worker: ONNX Runtime claims CUDA, sessions run on CPU, I/O binding on the CPU provider

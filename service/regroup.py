@@ -1,0 +1,141 @@
+"""Device-side regrouping of a decode batch: two tiny ONNX graphs that ONNX Runtime runs on the
+model's own device, so that a sequence's cross-attention keys/values and KV cache never go back
+to the host when other sequences join or leave the batch (issue 24; vLLM keeps its KV blocks on
+the device and moves only block tables for the same reason).
+
+    take(m)       y_i = Pad(Slice(Gather(x_i, rows, axis=0), starts, ends, axes), pads), i < m:
+                  the rows of one source (the running batch, or a group of sequences just encoded),
+                  cropped or zero-padded along one axis (cross: right-padded to the batch's longest
+                  encoder length; past: cropped on the left to its longest decoder length)
+    concat(m, k)  y_i = Concat(x_{0,i}, ..., x_{k-1,i}, axis=0): the sources side by side
+
+The graphs are written here as ONNX protobuf bytes (the serving install has no `onnx` package;
+tests/service/test_regroup.py checks these bytes with `onnx.checker` and the results against
+NumPy). Serving never branches on the architecture: a graph is built per element type and count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ONNX TensorProto.DataType
+ELEM_TYPES = {np.dtype(np.float32): 1, np.dtype(np.int64): 7, np.dtype(np.float16): 10}
+OPSET = 17
+IR_VERSION = 8
+
+
+# --- a minimal protobuf writer: just the ONNX messages these graphs use ------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1  # int64 fields: two's complement, as protobuf encodes negatives
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _bytes(field: int, value: bytes | str) -> bytes:
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(field << 3 | 2) + _varint(len(data)) + data
+
+
+def _value_info(name: str, elem_type: int, rank: int) -> bytes:
+    """ValueInfoProto: a tensor of `elem_type` and `rank` with named (free) dimensions."""
+    dims = b"".join(_bytes(1, _bytes(2, f"{name}_d{i}")) for i in range(rank))  # Dimension.dim_param
+    tensor = _int(1, elem_type) + _bytes(2, dims)  # TypeProto.Tensor: elem_type, shape
+    return _bytes(1, name) + _bytes(2, _bytes(1, tensor))  # name, type (TypeProto.tensor_type)
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], **ints: int) -> bytes:
+    attrs = b"".join(_bytes(5, _bytes(1, k) + _int(3, v) + _int(20, 2)) for k, v in ints.items())  # INT
+    return (b"".join(_bytes(1, i) for i in inputs) + b"".join(_bytes(2, o) for o in outputs)
+            + _bytes(3, f"{op}_{outputs[0]}") + _bytes(4, op) + attrs)
+
+
+def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes]) -> bytes:
+    graph = (b"".join(_bytes(1, n) for n in nodes) + _bytes(2, name)
+             + b"".join(_bytes(11, i) for i in inputs) + b"".join(_bytes(12, o) for o in outputs))
+    opset = _bytes(1, "") + _int(2, OPSET)  # OperatorSetIdProto: default domain
+    return _int(1, IR_VERSION) + _bytes(2, "longdoc") + _bytes(7, graph) + _bytes(8, opset)
+
+
+def take_graph(dtype, rank: int, m: int) -> bytes:
+    t, i64 = ELEM_TYPES[np.dtype(dtype)], ELEM_TYPES[np.dtype(np.int64)]
+    nodes = []
+    for i in range(m):
+        nodes += [_node("Gather", [f"x{i}", "rows"], [f"g{i}"], axis=0),
+                  _node("Slice", [f"g{i}", "starts", "ends", "axes"], [f"s{i}"]),
+                  _node("Pad", [f"s{i}", "pads"], [f"y{i}"])]
+    inputs = ([_value_info(f"x{i}", t, rank) for i in range(m)] + [_value_info("rows", i64, 1)]
+              + [_value_info(n, i64, 1) for n in ("starts", "ends", "axes", "pads")])
+    return _model(f"take{m}", nodes, inputs, [_value_info(f"y{i}", t, rank) for i in range(m)])
+
+
+def concat_graph(dtype, rank: int, m: int, k: int) -> bytes:
+    t = ELEM_TYPES[np.dtype(dtype)]
+    nodes = [_node("Concat", [f"x{j}_{i}" for j in range(k)], [f"y{i}"], axis=0) for i in range(m)]
+    inputs = [_value_info(f"x{j}_{i}", t, rank) for j in range(k) for i in range(m)]
+    return _model(f"concat{m}x{k}", nodes, inputs, [_value_info(f"y{i}", t, rank) for i in range(m)])
+
+
+# --- the kernels on a device -------------------------------------------------------------------
+
+class Regroup:
+    """`take` and `concat` on OrtValues that live on one device (any execution provider: the CPU
+    provider runs the same code in tests). Sessions are built lazily per graph shape and kept.
+    `moved` counts the bytes these kernels write on the device (device-to-device, never the host)."""
+
+    def __init__(self, dtype, rank: int, providers: list, device_type: str, device_id: int = 0):
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.dtype, self.rank = np.dtype(dtype), rank
+        self.providers = providers
+        self.device_type, self.device_id = device_type, device_id
+        self._sessions: dict[tuple, object] = {}
+        self.moved = 0
+
+    def _session(self, key: tuple, build):
+        s = self._sessions.get(key)
+        if s is None:
+            options = self.ort.SessionOptions()
+            options.log_severity_level = 3
+            s = self._sessions[key] = self.ort.InferenceSession(build(), options, providers=self.providers)
+        return s
+
+    def _run(self, session, inputs: dict, cpu_inputs: dict, n_out: int) -> list:
+        binding = session.io_binding()
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in cpu_inputs.items():
+            binding.bind_cpu_input(name, value)
+        for i in range(n_out):
+            binding.bind_output(f"y{i}", self.device_type, self.device_id)
+        session.run_with_iobinding(binding)
+        out = binding.get_outputs()
+        self.moved += sum(int(np.prod(v.shape())) * self.dtype.itemsize for v in out)
+        return out
+
+    def take(self, xs: list, rows: list[int], axis: int, start: int, stop: int, pad_before: int = 0,
+             pad_after: int = 0) -> list:
+        """For each x (rank `rank`): x[rows][..., start:stop (on `axis`), ...] zero-padded on `axis`."""
+        session = self._session(("take", len(xs)), lambda: take_graph(self.dtype, self.rank, len(xs)))
+        pads = np.zeros(2 * self.rank, np.int64)
+        pads[axis], pads[self.rank + axis] = pad_before, pad_after
+        cpu = {"rows": np.asarray(rows, np.int64), "starts": np.array([start], np.int64),
+               "ends": np.array([stop], np.int64), "axes": np.array([axis], np.int64), "pads": pads}
+        return self._run(session, {f"x{i}": x for i, x in enumerate(xs)}, cpu, len(xs))
+
+    def concat(self, parts: list[list]) -> list:
+        """parts[j][i]: the i-th tensor of source j -> per i, the sources concatenated on axis 0."""
+        k, m = len(parts), len(parts[0])
+        if k == 1:
+            return list(parts[0])
+        session = self._session(("concat", m, k), lambda: concat_graph(self.dtype, self.rank, m, k))
+        return self._run(session, {f"x{j}_{i}": parts[j][i] for j in range(k) for i in range(m)}, {}, m)

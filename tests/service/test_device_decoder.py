@@ -1,0 +1,149 @@
+"""The decode state stays on the worker's device (issue 24): a sequence's cross-attention
+keys/values are written there by the encoder and never copied again; joins and leaves are
+assembled on the device (service/regroup.py) and the host sends only per-step tensors. Run on
+ONNX Runtime's CPU provider, which runs the same I/O-binding code as CUDA, for the three
+encoder-decoder families (BigBird-Pegasus, LED, the BERT2BERT encoder-decoder): logits match the
+model's own one-sequence decoder step, and the scheduler's tokens are the reference search's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from longdoc.model.search import resolve_settings
+from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
+from longdoc.service.metrics import Metrics
+from longdoc.service.regroup import Regroup, concat_graph, take_graph
+from longdoc.service.workers import OnnxWorker
+from tests.service.test_decode_parity import document_ids, reference, text_of
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
+
+FAMILIES = ("pegasus", "led", "bert2bert")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def summarizer(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"decode-{request.param}")
+    make = {"pegasus": lambda d: make_tiny_checkpoint(d, "summarize"), "led": make_tiny_led,
+            "bert2bert": make_tiny_encoder_decoder}[request.param]
+    return make_tiny_export(root / "model", "summarize", checkpoint_dir=make(root / "checkpoint"))
+
+
+# --- the regroup kernels --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_regroup_graphs_are_valid_onnx(dtype):
+    for graph in (take_graph(dtype, 4, 3), concat_graph(dtype, 4, 3, 2), take_graph(dtype, 2, 1)):
+        onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_take_and_concat_are_numpy_indexing(dtype):
+    rng = np.random.default_rng(0)
+    k = Regroup(dtype, 4, ["CPUExecutionProvider"], "cpu")
+    a, b = (rng.standard_normal(s).astype(dtype) for s in ((3, 2, 5, 4), (2, 2, 7, 4)))
+    dev = [ort.OrtValue.ortvalue_from_numpy(x) for x in (a, b)]
+    # rows picked and repeated, cropped on the left, padded on the right
+    y = k.take([dev[0]], [2, 0, 2], 2, 1, 5, pad_after=3)[0].numpy()
+    want = np.pad(a[[2, 0, 2]][:, :, 1:5], ((0, 0), (0, 0), (0, 3), (0, 0)))
+    np.testing.assert_array_equal(y, want)
+    # two tensors at once, left padding, then the sources side by side
+    ya, yb = k.take([dev[0], dev[0]], [1], 2, 0, 5, pad_before=2)
+    np.testing.assert_array_equal(ya.numpy(), np.pad(a[[1]], ((0, 0), (0, 0), (2, 0), (0, 0))))
+    head = k.take([dev[0]], [0, 1], 2, 0, 5, pad_after=2)[0]
+    both = k.concat([[head], [dev[1]]])[0].numpy()
+    np.testing.assert_array_equal(both, np.concatenate([np.pad(a[:2], ((0, 0), (0, 0), (0, 2), (0, 0))), b]))
+    assert k.moved == sum(x.nbytes for x in (y, ya.numpy(), yb.numpy(), head.numpy(), both))
+
+
+# --- the worker ---------------------------------------------------------------------------------
+
+def one_sequence_logits(model, ids: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """The oracle: the model's decoder step on this sequence alone (batch 1, no padding anywhere)."""
+    enc = model.encode_for_decoding(np.array([ids]), np.ones((1, len(ids)), np.int64))
+    past, out = model.empty_past(1), []
+    for i, t in enumerate(tokens):
+        logits, past = model.decoder_step(enc, np.array([[t]]), np.array([[i]]), np.ones((1, i + 1), np.int64), past)
+        out.append(logits[0, -1])
+    return out
+
+
+def test_cross_state_is_copied_to_the_device_once(summarizer):
+    """Three sequences of different lengths: two start together, the third joins at step 4, the
+    first leaves at step 7, and the last steps pass the batch in another order. Each row's logits
+    are its one-sequence logits; once a sequence has joined, no step copies more to the device
+    than the per-step tensors (token ids, positions, masks), whoever joins or leaves."""
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in (40, 120, 70)]
+    start = worker.info.special_tokens["decoder_start"]
+    states = worker.begin(docs[:2]) + worker.begin(docs[2:])
+    encoded = dec.copied["encoder_inputs"]
+    assert encoded > 0 and set(dec.copied) == {"encoder_inputs"}  # the encoder wrote the cross state in place
+    cross_bytes = sum(int(np.prod(v.shape())) for v in states[0].group.cross) * model.float_type(0).itemsize
+    fed = {i: [start] for i in range(3)}
+    got = {i: [] for i in range(3)}
+    plan = [(0, 1)] * 3 + [(0, 1, 2)] * 3 + [(1, 2)] * 2 + [(2, 1)] * 2
+    moved_before = None
+    for step, live in enumerate(plan):
+        before = sum(dec.copied.values())
+        logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
+        sent = sum(dec.copied.values()) - before
+        B, P = len(live), max(states[i].length for i in live) - 1
+        per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
+        masks = 8 * B * max(len(states[i].encoder_mask) for i in live)
+        assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
+        assert sent < cross_bytes / 4
+        if step == 3:  # the join was assembled on the device
+            moved_before = dec.regroup.moved
+            assert moved_before > 0
+        for i, row in zip(live, logits):
+            got[i].append(row)
+            fed[i].append(int(row.argmax()))
+    assert dec.copied["encoder_inputs"] == encoded and "cross" not in dec.copied
+    assert dec.regroups == 3  # start, join, leave: a new order alone is not a regroup
+    for i in range(3):
+        want = one_sequence_logits(model, docs[i], fed[i][:-1])
+        np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="cannot rejoin"):
+        worker.step([states[0], states[1]], [start, start])
+    worker.release()
+    assert dec._batch is None
+
+
+def test_scheduler_tokens_are_the_reference_searchs(summarizer):
+    """Greedy requests joining the running batch at different steps and one beam search among them:
+    every answer is `OnnxModel.generate`'s, and the batch's device state is freed at the end."""
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    model = worker.model
+    docs = [document_ids(model, text_of(n, seed)) for n, seed in ((200, 1), (40, 2), (120, 3), (90, 4))]
+    requests = [dict(max_new_tokens=20, min_length=16), dict(max_new_tokens=10), dict(max_new_tokens=14),
+                dict(max_new_tokens=8, num_beams=3)]
+    want = [reference(model, ids, **options) for ids, options in zip(docs, requests)]
+
+    async def go():
+        scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
+                                    max_queue_tokens=1 << 20, endpoint="summarize")
+        scheduler.start()
+        state = RequestState(deadline=time.monotonic() + 120)
+        try:
+            streams = []
+            for i, read in ((0, 2), (1, 1), (2, 0), (3, 0)):
+                stream = (await scheduler.submit(docs[i], resolve_settings(worker.info.generation, **requests[i]),
+                                                 state)).__aiter__()
+                streams.append(([await stream.__anext__() for _ in range(read)], stream))
+
+            async def rest(head, stream):
+                return head + [t async for t in stream]
+
+            return await asyncio.gather(*(rest(head, stream) for head, stream in streams))
+        finally:
+            await scheduler.close()
+
+    assert asyncio.run(go()) == want
+    assert worker.decoder._batch is None and worker.decoder.regroups >= 2

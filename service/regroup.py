@@ -3,7 +3,8 @@ model's own device, so that a sequence's cross-attention keys/values and KV cach
 to the host when other sequences join or leave the batch (issue 24; vLLM keeps its KV blocks on
 the device and moves only block tables for the same reason).
 
-    take(m)       y_i = Pad(Slice(Gather(x_i, rows, axis=0), starts, ends, axes), pads), i < m:
+    take(m)       y_i = Pad(Slice(Gather(x_i, rows, axis=0), starts, ends, axes), pads), i < m
+                  (Slice and Pad only where the call crops or pads):
                   the rows of one source (the running batch, or a group of sequences just encoded),
                   cropped or zero-padded along one axis (cross: right-padded to the batch's longest
                   encoder length; past: cropped on the left to its longest decoder length)
@@ -65,15 +66,21 @@ def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[byt
     return _int(1, IR_VERSION) + _bytes(2, "longdoc") + _bytes(7, graph) + _bytes(8, opset)
 
 
-def take_graph(dtype, rank: int, m: int) -> bytes:
+def take_graph(dtype, rank: int, m: int, crop: bool = True, pad: bool = True) -> bytes:
+    """Gather, then Slice if `crop`, then Pad if `pad`: each op writes its whole output, so the
+    variants without them copy the tensors once instead of three times."""
     t, i64 = ELEM_TYPES[np.dtype(dtype)], ELEM_TYPES[np.dtype(np.int64)]
     nodes = []
     for i in range(m):
-        nodes += [_node("Gather", [f"x{i}", "rows"], [f"g{i}"], axis=0),
-                  _node("Slice", [f"g{i}", "starts", "ends", "axes"], [f"s{i}"]),
-                  _node("Pad", [f"s{i}", "pads"], [f"y{i}"])]
-    inputs = ([_value_info(f"x{i}", t, rank) for i in range(m)] + [_value_info("rows", i64, 1)]
-              + [_value_info(n, i64, 1) for n in ("starts", "ends", "axes", "pads")])
+        steps = [("Gather", ["rows"], {"axis": 0})] + [("Slice", ["starts", "ends", "axes"], {})] * crop \
+            + [("Pad", ["pads"], {})] * pad
+        x = f"x{i}"
+        for j, (op, extra, attrs) in enumerate(steps):
+            y = f"y{i}" if j == len(steps) - 1 else f"{op.lower()}{i}"
+            nodes.append(_node(op, [x, *extra], [y], **attrs))
+            x = y
+    names = ["rows"] + ["starts", "ends", "axes"] * crop + ["pads"] * pad
+    inputs = [_value_info(f"x{i}", t, rank) for i in range(m)] + [_value_info(n, i64, 1) for n in names]
     return _model(f"take{m}", nodes, inputs, [_value_info(f"y{i}", t, rank) for i in range(m)])
 
 
@@ -124,12 +131,21 @@ class Regroup:
 
     def take(self, xs: list, rows: list[int], axis: int, start: int, stop: int, pad_before: int = 0,
              pad_after: int = 0) -> list:
-        """For each x (rank `rank`): x[rows][..., start:stop (on `axis`), ...] zero-padded on `axis`."""
-        session = self._session(("take", len(xs)), lambda: take_graph(self.dtype, self.rank, len(xs)))
-        pads = np.zeros(2 * self.rank, np.int64)
-        pads[axis], pads[self.rank + axis] = pad_before, pad_after
-        cpu = {"rows": np.asarray(rows, np.int64), "starts": np.array([start], np.int64),
-               "ends": np.array([stop], np.int64), "axes": np.array([axis], np.int64), "pads": pads}
+        """For each x (rank `rank`): x[rows][..., start:stop (on `axis`), ...] zero-padded on `axis`.
+        Every row in order, uncropped and unpadded, is the input itself: nothing is copied."""
+        shape = xs[0].shape()
+        crop, pad = (start, stop) != (0, shape[axis]), bool(pad_before or pad_after)
+        if not crop and not pad and list(rows) == list(range(shape[0])):
+            return list(xs)
+        session = self._session(("take", len(xs), crop, pad),
+                                lambda: take_graph(self.dtype, self.rank, len(xs), crop, pad))
+        cpu = {"rows": np.asarray(rows, np.int64)}
+        if crop:
+            cpu.update(starts=np.array([start], np.int64), ends=np.array([stop], np.int64),
+                       axes=np.array([axis], np.int64))
+        if pad:
+            cpu["pads"] = np.zeros(2 * self.rank, np.int64)
+            cpu["pads"][axis], cpu["pads"][self.rank + axis] = pad_before, pad_after
         return self._run(session, {f"x{i}": x for i, x in enumerate(xs)}, cpu, len(xs))
 
     def concat(self, parts: list[list]) -> list:

@@ -242,6 +242,7 @@ class DecodeState:
     row: int  # its row in `group`
     encoder_mask: np.ndarray  # (Se,) int64, 1 = real token
     length: int = 0  # decoder tokens fed so far (= its next position id)
+    left: bool = False  # a step ran without it: it has left the batch for good
 
 
 @dataclass(eq=False)
@@ -320,15 +321,19 @@ class DeviceDecoder:
                                                              self.device_id)
 
     def _assemble(self, states: list[DecodeState]) -> _Batch:
-        """The batch for `states`, built on the device: the rows of the running batch that stay
-        (in their order), then the newcomers, group by group."""
+        """The batch for `states`, built on the device: rows of the running batch first (in their
+        order), then the newcomers, group by group. Rows that left ride along unless they are at
+        least as many as the live ones: a join then costs one copy of the batch (Concat), a leave
+        none, and a compaction (Gather) happens only when half the batch is gone."""
         old = self._batch
         wanted = {id(s) for s in states}
         rows = {id(s): r for r, s in enumerate(old.states)} if old else {}
-        stay = [s for s in (old.states if old else ()) if id(s) in wanted]
         new = [s for s in states if id(s) not in rows]
         if any(s.group is None for s in new):
             raise ValueError("a sequence that left the decode batch cannot rejoin it (its state was freed)")
+        live = [s for s in (old.states if old else ()) if id(s) in wanted]
+        dead = len(rows) - len(live)
+        stay = list(old.states) if old and dead < max(1, len(live)) else live
         groups = list({id(s.group): s.group for s in new}.values())
         order = stay + [s for g in groups for s in new if s.group is g]
         Se = max(len(s.encoder_mask) for s in order)
@@ -340,8 +345,8 @@ class DeviceDecoder:
             cross_parts.append(self.regroup.take(g.cross, [s.row for s in new if s.group is g], 2, 0, g.length,
                                                  pad_after=Se - g.length))
         cross = self.regroup.concat(cross_parts)
-        P = max((s.length for s in stay), default=0)
-        if stay:  # newcomers have no past: any rows do, the self mask hides them all
+        P = max((s.length for s in live), default=0)  # rows that left need no past: any values do
+        if stay:  # newcomers have no past either: their rows repeat one, the self mask hides them all
             keep = [rows[id(s)] for s in stay] + [rows[id(stay[0])]] * len(new)
             past = self.regroup.take(old.past, keep, 2, old.P - P, old.P)
         else:
@@ -357,18 +362,28 @@ class DeviceDecoder:
 
     def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
         """One decoder step for `states` (any order; newcomers from `begin` join here, absent ones
-        leave): (n, V) next-token logits, rows in `states` order."""
+        leave for good): (n, V) next-token logits, rows in `states` order."""
+        if any(s.left for s in states):
+            raise ValueError("a sequence that left the decode batch cannot rejoin it (its state was freed)")
         b = self._batch
-        if b is None or b.ids != {id(s) for s in states} or len(states) != len(b.states):
+        wanted = {id(s) for s in states}
+        if b is not None:
+            for s in b.states:
+                s.left = s.left or id(s) not in wanted
+        dead = 0 if b is None else sum(s.left for s in b.states)
+        if b is None or not wanted <= b.ids or dead >= max(1, len(states)):
             b = self._batch = self._assemble(states)
         at = {id(s): i for i, s in enumerate(states)}
-        perm = np.array([at[id(s)] for s in b.states])  # batch row -> position in `states`
-        P = b.P
-        self_mask = np.zeros((len(states), P + 1), dtype=np.int64)  # (B, P + 1), past left-padded
+        P, B = b.P, len(b.states)
+        self_mask = np.zeros((B, P + 1), dtype=np.int64)  # (B, P + 1), past left-padded
+        ids = np.zeros((B, 1), dtype=np.int64)  # rows that left: token 0 at position 0, attending to itself
+        positions = np.zeros((B, 1), dtype=np.int64)
         for i, s in enumerate(b.states):
-            self_mask[i, P - s.length :] = 1
-        ids = np.array([[tokens[j]] for j in perm], dtype=np.int64)  # (B, 1)
-        positions = np.array([[s.length] for s in b.states], dtype=np.int64)  # (B, 1)
+            if s.left:
+                self_mask[i, P] = 1
+            else:
+                self_mask[i, P - s.length :] = 1
+                ids[i, 0], positions[i, 0] = tokens[at[id(s)]], s.length
         binding = self.session.io_binding()
         for name, value in (("input_ids", ids), ("position_ids", positions), ("self_mask", self_mask)):
             binding.bind_cpu_input(name, value)
@@ -383,11 +398,12 @@ class DeviceDecoder:
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         b.past, b.P = outputs[1:], P + 1
-        for s in b.states:
-            s.length += 1
         logits = outputs[0].numpy()[:, -1]  # (B, V)
-        out = np.empty_like(logits)
-        out[perm] = logits
+        rows = [r for r, s in enumerate(b.states) if not s.left]
+        out = np.empty((len(states), logits.shape[1]), logits.dtype)
+        out[[at[id(b.states[r])] for r in rows]] = logits[rows]
+        for s in b.states:
+            s.length += not s.left
         return out
 
 

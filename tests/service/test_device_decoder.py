@@ -38,7 +38,8 @@ def summarizer(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
 def test_regroup_graphs_are_valid_onnx(dtype):
-    for graph in (take_graph(dtype, 4, 3), concat_graph(dtype, 4, 3, 2), take_graph(dtype, 2, 1)):
+    for graph in (take_graph(dtype, 4, 3), concat_graph(dtype, 4, 3, 2), take_graph(dtype, 2, 1, crop=False),
+                  take_graph(dtype, 4, 2, pad=False), take_graph(dtype, 4, 1, crop=False, pad=False)):
         onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
 
 
@@ -55,10 +56,13 @@ def test_take_and_concat_are_numpy_indexing(dtype):
     # two tensors at once, left padding, then the sources side by side
     ya, yb = k.take([dev[0], dev[0]], [1], 2, 0, 5, pad_before=2)
     np.testing.assert_array_equal(ya.numpy(), np.pad(a[[1]], ((0, 0), (0, 0), (2, 0), (0, 0))))
+    assert k.take(dev, [0, 1, 2], 2, 0, 5) == dev  # all rows, as they are: no copy
+    np.testing.assert_array_equal(k.take([dev[0]], [1, 2], 2, 0, 5)[0].numpy(), a[1:])  # Gather alone
+    np.testing.assert_array_equal(k.take([dev[0]], [0, 1, 2], 2, 2, 5)[0].numpy(), a[:, :, 2:])  # Slice, no Pad
     head = k.take([dev[0]], [0, 1], 2, 0, 5, pad_after=2)[0]
     both = k.concat([[head], [dev[1]]])[0].numpy()
     np.testing.assert_array_equal(both, np.concatenate([np.pad(a[:2], ((0, 0), (0, 0), (0, 2), (0, 0))), b]))
-    assert k.moved == sum(x.nbytes for x in (y, ya.numpy(), yb.numpy(), head.numpy(), both))
+    assert k.moved == sum(x.nbytes for x in (y, ya.numpy(), yb.numpy(), a[1:], a[:, :, 2:], head.numpy(), both))
 
 
 # --- the worker ---------------------------------------------------------------------------------
@@ -75,9 +79,10 @@ def one_sequence_logits(model, ids: list[int], tokens: list[int]) -> list[np.nda
 
 def test_cross_state_is_copied_to_the_device_once(summarizer):
     """Three sequences of different lengths: two start together, the third joins at step 4, the
-    first leaves at step 7, and the last steps pass the batch in another order. Each row's logits
-    are its one-sequence logits; once a sequence has joined, no step copies more to the device
-    than the per-step tensors (token ids, positions, masks), whoever joins or leaves."""
+    first leaves at step 7 (its row rides along, masked, until a compaction), and the last steps
+    pass the batch in another order. Each row's logits are its one-sequence logits; once a
+    sequence has joined, no step copies more to the device than the per-step tensors (token ids,
+    positions, masks), whoever joins or leaves."""
     worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in (40, 120, 70)]
@@ -94,9 +99,9 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         before = sum(dec.copied.values())
         logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
         sent = sum(dec.copied.values()) - before
-        B, P = len(live), max(states[i].length for i in live) - 1
+        B, P = len(dec._batch.states), dec._batch.P - 1  # rows (those that left ride along), past length
         per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
-        masks = 8 * B * max(len(states[i].encoder_mask) for i in live)
+        masks = 8 * B * max(len(s.encoder_mask) for s in dec._batch.states)
         assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
         assert sent < cross_bytes / 4
         if step == 3:  # the join was assembled on the device
@@ -106,7 +111,7 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
             got[i].append(row)
             fed[i].append(int(row.argmax()))
     assert dec.copied["encoder_inputs"] == encoded and "cross" not in dec.copied
-    assert dec.regroups == 3  # start, join, leave: a new order alone is not a regroup
+    assert dec.regroups == 2  # start, join: a leave (one row of three) and a new order are no regroup
     for i in range(3):
         want = one_sequence_logits(model, docs[i], fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
@@ -114,6 +119,27 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         worker.step([states[0], states[1]], [start, start])
     worker.release()
     assert dec._batch is None
+
+
+def test_a_batch_mostly_gone_is_compacted(summarizer):
+    """One of four sequences leaves, then two more: the batch is gathered down to the one that stays (rows that
+    left ride along only while they are fewer than the live ones), whose logits stay its own."""
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in (30, 60, 45, 80)]
+    start = worker.info.special_tokens["decoder_start"]
+    states = worker.begin(docs)
+    fed, got = [start], []  # the last sequence's tokens and logits
+    tokens = {id(s): start for s in states}
+    for live in [states] * 2 + [states[1:]] + [states[3:]] * 3:
+        logits = worker.step(live, [tokens[id(s)] for s in live])
+        for s, row in zip(live, logits):
+            tokens[id(s)] = int(row.argmax())
+        got.append(logits[-1])
+        fed.append(tokens[id(states[3])])
+    assert len(dec._batch.states) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
+    want = one_sequence_logits(model, docs[3], fed[:-1])
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
 def test_scheduler_tokens_are_the_reference_searchs(summarizer):

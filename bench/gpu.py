@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-PHASES = ("make", "verify", "ours", "hf", "service", "pegasus", "summarize")
+PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "hf", "service", "pegasus", "summarize")
 H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
 
 
@@ -144,6 +144,111 @@ def phase_ours(work: str, device: str, tiny: bool) -> dict:
         log(f"  ours fp16 batch {B}: {seconds * 1000:.1f} ms, {B / seconds:.1f} docs/s, "
             f"{result[B]['tflops']:.1f} TFLOP/s")
     return result
+
+
+def phase_encoder_opts(work: str, device: str, tiny: bool) -> dict:
+    """Item 3 of issue 24: the encoder at the largest batch under ONNX Runtime's settings that
+    leave the file standard ONNX: graph optimization levels, and CUDA graphs (one captured graph
+    per input shape: inputs and outputs bound at fixed device addresses). Each variant's outputs
+    are compared with the default session's (max |diff|), and timed (median of 8)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from bench_export import model_flops
+    from longdoc.export.runtime import OnnxModel, execution_providers, parse_device
+
+    c = configs(tiny)
+    kind, device_id = parse_device(device)
+    S, B = c["length"], max(c["batches"])
+    model_dir = Path(work) / "fp16-qa"
+    model = OnnxModel(model_dir, device=kind, device_id=device_id)
+    feed, _ = model._encoder_feed(*qa_batch(B, S))
+    names = [o.name for o in model.sessions["encoder"].get_outputs()]
+    path = str(model.manifest.path_of(model_dir, model.manifest.graphs["encoder"]))
+    result, reference = {}, None
+    variants = [("default", {}, {}), ("basic", {"level": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}, {}),
+                ("extended", {"level": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}, {}),
+                ("all", {"level": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}, {})]
+    if kind == "cuda":
+        variants.append(("cuda-graph", {}, {"enable_cuda_graph": "1"}))
+    for name, opts, provider_options in variants:
+        try:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            options.enable_mem_pattern = False
+            if "level" in opts:
+                options.graph_optimization_level = opts["level"]
+            providers = execution_providers(kind, device_id)
+            if provider_options:
+                providers = [(providers[0][0], {**providers[0][1], **provider_options})] + providers[1:]
+            session = ort.InferenceSession(path, options, providers=providers)
+            inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), kind, device_id)
+                      for k, v in feed.items()}
+            binding = session.io_binding()
+            for k, v in inputs.items():
+                binding.bind_ortvalue_input(k, v)
+            if provider_options:  # a captured graph replays into the same output buffers
+                probe = model.sessions["encoder"].run(names, feed)
+                outs = [ort.OrtValue.ortvalue_from_shape_and_type(list(p.shape), p.dtype.type, kind, device_id)
+                        for p in probe]
+                for n, o in zip(names, outs):
+                    binding.bind_ortvalue_output(n, o)
+            else:
+                for n in names:
+                    binding.bind_output(n, kind, device_id)
+
+            def run():
+                session.run_with_iobinding(binding)
+                return [o.numpy() for o in binding.get_outputs()]
+
+            got = run()
+            seconds = time_it(run, reps=8)
+            if reference is None:
+                reference = got
+            diff = max(float(np.abs(g.astype(np.float32) - r.astype(np.float32)).max()) for g, r in zip(got, reference))
+            result[name] = {"latency_ms": seconds * 1000, "docs_per_s": B / seconds, "max_abs_diff": diff,
+                            "tflops": model_flops(S, full=False) * B / seconds / 1e12}
+            log(f"  encoder {name}, batch {B}: {seconds * 1000:.1f} ms, {result[name]['tflops']:.1f} TFLOP/s, "
+                f"max|diff| vs default {diff:.2e}")
+        except Exception as exc:  # noqa: BLE001 - a variant ONNX Runtime refuses is a result too
+            result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log(f"  encoder {name}: {result[name]['error']}")
+    return result
+
+
+def phase_kernels(work: str, device: str, tiny: bool) -> dict:
+    """Where the encoder's GPU time goes at the largest batch: every CUDA kernel of two runs of the
+    service's encoder path, timed by CUPTI through torch.profiler (it sees the whole process's
+    kernels, ONNX Runtime's included), summed by kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from longdoc.export.runtime import OnnxModel, parse_device
+    from longdoc.service.workers import EncoderBatch, IoBindingEncoder
+
+    c = configs(tiny)
+    kind, device_id = parse_device(device)
+    S, B = c["length"], max(c["batches"])
+    model = OnnxModel(Path(work) / "fp16-qa", device=kind, device_id=device_id)
+    encoder = IoBindingEncoder(model, kind, device_id)
+    batch = EncoderBatch(*qa_batch(B, S))
+    encoder.run(batch), encoder.run(batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            encoder.run(batch)
+        if kind == "cuda":
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0.0) if kind == "cuda" else e.self_cpu_time_total
+        if t > 0 and (kind != "cuda" or e.device_type.name == "CUDA"):
+            rows.append({"kernel": e.key[:120], "ms": t / 1000 / 2, "calls": e.count // 2})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows[:25]:
+        log(f"  {r['ms']:8.2f} ms {100 * r['ms'] / max(total, 1e-9):5.1f}%  x{r['calls']:<5} {r['kernel']}")
+    return {"total_ms": total, "top": rows[:40]}
 
 
 def phase_hf(work: str, device: str, tiny: bool) -> dict:
@@ -270,7 +375,9 @@ def phase_summarize(work: str, device: str, tiny: bool) -> dict:
     proc, url = load.start_server(model_dir, batching=True, threads=None, extra=["--device", device])
     try:
         asyncio.run(load.sweep_point(url, "summarize", docs, 8, 8, 600))  # warm-up
+        alone = asyncio.run(load.sweep_point(url, "summarize", docs, 1, 8, 600))
         greedy = asyncio.run(load.sweep_point(url, "summarize", docs, 8, 64, 600))
+        many = asyncio.run(load.sweep_point(url, "summarize", docs, 32, 128, 600))
         beams = []
         for doc in docs[:4]:
             start = time.perf_counter()
@@ -283,7 +390,9 @@ def phase_summarize(work: str, device: str, tiny: bool) -> dict:
     log(f"  summarize greedy, 8 clients: {greedy['throughput_rps']:.1f} req/s, p50 {greedy['p50_ms']:.0f} ms, "
         f"p99 {greedy['p99_ms']:.0f} ms ({greedy['ok']}/{greedy['requests']} ok); beam 4: "
         f"{[b['status'] for b in beams]}, median {statistics.median(b['seconds'] for b in beams) * 1000:.0f} ms")
-    return {"greedy": greedy, "beam4": beams}
+    log(f"  summarize greedy, 1 client: {alone['throughput_rps']:.1f} req/s; 32 clients: "
+        f"{many['throughput_rps']:.1f} req/s, p50 {many['p50_ms']:.0f} ms ({many['ok']}/{many['requests']} ok)")
+    return {"greedy": greedy, "alone": alone, "clients32": many, "beam4": beams}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -321,8 +430,27 @@ def table(r: dict) -> str:
             step = p.get(f"service-step_beam{beams}_ms_per_token")
             lines.append(f"| {'greedy' if beams == 1 else 'beam 5'} | {p[f'ours_beam{beams}_ms_per_token']:.2f} | "
                          f"{'-' if step is None else f'{step:.2f}'} | {p[f'transformers_beam{beams}_ms_per_token']:.2f} |")
+    if "encoder_opts" in r:
+        lines += [f"\nencoder settings, batch {max(c['batches'])} ({peak and f'measured peak {peak:.0f} TFLOP/s' or 'no peak'})",
+                  "| variant | ms | docs/s | TFLOP/s (% measured peak) | max abs diff vs default |", "|---|---:|---:|---:|---:|"]
+        for name, v in r["encoder_opts"].items():
+            if "error" in v:
+                lines.append(f"| {name} | {v['error'][:80]} | | | |")
+            else:
+                share = f" ({100 * v['tflops'] / peak:.0f}%)" if peak else ""
+                lines.append(f"| {name} | {v['latency_ms']:.1f} | {v['docs_per_s']:.1f} | {v['tflops']:.1f}{share} | "
+                             f"{v['max_abs_diff']:.1e} |")
+    if "kernels" in r and "top" in r["kernels"]:
+        k = r["kernels"]
+        lines += [f"\nencoder kernels at batch {max(c['batches'])}: {k['total_ms']:.1f} ms per run",
+                  "| kernel | ms per run | share |", "|---|---:|---:|"]
+        lines += [f"| `{x['kernel'][:70]}` | {x['ms']:.2f} | {100 * x['ms'] / k['total_ms']:.0f}% |" for x in k["top"][:15]]
     if "summarize" in r and "greedy" in r["summarize"]:
         g, b = r["summarize"]["greedy"], r["summarize"]["beam4"]
+        if "clients32" in r["summarize"]:
+            a, m = r["summarize"]["alone"], r["summarize"]["clients32"]
+            lines.append(f"\nservice, Pegasus-large summarize: 1 client {a['throughput_rps']:.2f} req/s; 32 clients "
+                         f"{m['throughput_rps']:.2f} req/s, p50 {m['p50_ms']:.0f} ms, {m['ok']}/{m['requests']} ok")
         lines.append(f"\nservice, Pegasus-large summarize ({c['new_tokens']} new tokens): greedy, 8 clients "
                      f"{g['throughput_rps']:.2f} req/s, p50 {g['p50_ms']:.0f} ms, p99 {g['p99_ms']:.0f} ms, "
                      f"{g['ok']}/{g['requests']} ok; beam 4 one at a time: median "

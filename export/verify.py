@@ -1,8 +1,10 @@
 """`longdoc verify`: ONNX Runtime against the PyTorch reference on random inputs.
 
 Reference: our PyTorch model (`longdoc.model.load_pretrained(checkpoint, plan)`), or with
-`against="transformers"` transformers itself (train mode with every dropout at 0 for the
-hf-train plan, which is what transformers draws in training mode; eval mode for hf-eval). The
+`against="transformers"` transformers itself (train mode for the hf-train plan, which is what
+transformers draws in training mode, built from the checkpoint's config with every dropout and
+layerdrop at 0, so that the reference is deterministic whatever dropout config.json holds; eval
+mode for hf-eval). The
 reference always runs in fp32.
 
 Before anything runs, the checkpoint must be the one exported: the sha256 of its weights file
@@ -206,22 +208,34 @@ class Reference:
 
 
 def _load_transformers(checkpoint_dir: Path, manifest, plan: str):
+    """transformers' model of the checkpoint, deterministic: hf-eval in eval mode; hf-train in
+    training mode (where transformers draws the hf-train random blocks) with every dropout and
+    layerdrop of the config at 0 before any module is built. Zeroing the built modules' Dropout is
+    not enough: on an input too short for block-sparse attention BigBird rebuilds `attention.self`
+    inside `forward`, with a fresh Dropout of the config's probability (0.1 in transformers'
+    default config and the public checkpoints)."""
     import transformers
 
     if plan == "seeded":
         raise ValueError("plan 'seeded' is ours; transformers cannot reproduce it (use --against model)")
     cls = getattr(transformers, manifest.architecture)
-    module = cls.from_pretrained(str(checkpoint_dir))
-    if plan == "hf-eval":
-        return module.eval()
-    module.train()  # transformers draws the hf-train blocks in training mode; switch dropout off
-    for sub in module.modules():
-        if sub.__class__.__name__ == "Dropout":
-            sub.p = 0.0
-        for attr in ("dropout", "activation_dropout", "attention_dropout"):
-            if isinstance(getattr(sub, attr, None), float):
-                setattr(sub, attr, 0.0)
-    return module
+    config = transformers.AutoConfig.from_pretrained(str(checkpoint_dir))
+    if plan != "hf-eval":
+        without_dropout(config)
+    module = cls.from_pretrained(str(checkpoint_dir), config=config)
+    return module.eval() if plan == "hf-eval" else module.train()
+
+
+def without_dropout(config) -> None:
+    """Set every dropout probability and layerdrop of a transformers config, and of the configs it
+    holds (an EncoderDecoderConfig's encoder and decoder), to 0 in place."""
+    import transformers
+
+    for name, value in list(vars(config).items()):
+        if isinstance(value, transformers.PretrainedConfig):
+            without_dropout(value)
+        elif ("dropout" in name or "layerdrop" in name) and isinstance(value, float):
+            setattr(config, name, 0.0)
 
 
 def _qa_spans(start: np.ndarray, end: np.ndarray, ids: np.ndarray, mask: np.ndarray, sep: int | None,

@@ -78,6 +78,14 @@ def vocab_size() -> int:
     return len(tiny_tokenizer().get_vocab())
 
 
+def default_dropout(config_class) -> dict:
+    """The dropout probabilities and layerdrop of a transformers config class's defaults (BigBird,
+    Longformer, BERT: 0.1 hidden and attention dropout; Pegasus, LED: dropout 0.1), what the public
+    checkpoints hold: overrides for the tiny checkpoints, which otherwise switch dropout off."""
+    return {k: v for k, v in config_class().to_dict().items()
+            if ("dropout" in k or "layerdrop" in k) and isinstance(v, float)}
+
+
 def tiny_config(task: str) -> dict:
     """transformers config kwargs of the tiny model for a task."""
     common = dict(vocab_size=vocab_size(), max_position_embeddings=512, block_size=16, num_random_blocks=2,
@@ -207,10 +215,11 @@ def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Pa
     return directory
 
 
-def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
+def make_tiny_encoder_decoder(directory, seed: int = 0, **overrides) -> Path:
     """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
     blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;
-    decoder start [CLS], eos [SEP], the BERT2BERT way."""
+    decoder start [CLS], eos [SEP], the BERT2BERT way. `overrides` change fields of both the
+    encoder's and the decoder's config."""
     import torch
     import transformers
 
@@ -219,6 +228,7 @@ def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
     common = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                   initializer_range=0.25, pad_token_id=PAD)
+    common.update(overrides)
     enc = transformers.BigBirdConfig(**common, max_position_embeddings=512, block_size=16, num_random_blocks=2,
                                      sep_token_id=SEP)
     dec = transformers.BertConfig(**common, max_position_embeddings=64, is_decoder=True, add_cross_attention=True)

@@ -20,7 +20,8 @@ from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECT
 from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import AttentionSpec, checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import special_token_ids, summarize_input_of
+from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
+                                        summarize_input_of)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
@@ -51,6 +52,21 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(MODEL_TYPES)})")
     return config
+
+
+def checkpoint_tokenizer(checkpoint_dir: Path, progress: Callable[[str], None] = print):
+    """The tokenizer the export writes as its tokenizer.json: the checkpoint's own tokenizer.json,
+    or one converted from the files its family's public checkpoints ship instead (spiece.model,
+    vocab.json + merges.txt, vocab.txt; `longdoc.model.tokenization.convert_tokenizer`)."""
+    try:
+        if (checkpoint_dir / TOKENIZER_NAME).is_file():
+            return load_tokenizer(checkpoint_dir)
+        tokenizer = convert_tokenizer(checkpoint_dir)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from None
+    progress(f"converted the checkpoint's tokenizer to {TOKENIZER_NAME} (same ids as transformers' tokenizer on "
+             "sample text)")
+    return tokenizer
 
 
 def weights_path(directory: Path) -> Path:
@@ -252,9 +268,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
                               "checkpoint exports its own attention (BigBird: attention_type original_full in "
                               "config.json is full attention)")
     wpath = weights_path(checkpoint_dir)
-    tokenizer = checkpoint_dir / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
+    tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     enc = encoder_config(config)
@@ -304,13 +318,16 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             else:
                 save_model(model, path)
             progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        shutil.copyfile(tokenizer, staging / TOKENIZER_NAME)
+        if (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
+            shutil.copyfile(checkpoint_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
+        else:
+            tokenizer.save(str(staging / TOKENIZER_NAME))
 
         labels = None
         if task == "classify":
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
-        special = special_token_ids(checkpoint_dir)
+        special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
         if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
             max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
             min_length, full_max = 1, (max_length if attention == "full" else 0)

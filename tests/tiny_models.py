@@ -269,3 +269,51 @@ def make_tiny_led(directory, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(directory)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
     return directory
+
+
+SLOW_TOKENIZER_CLASSES = {"bigbird": "BigBirdTokenizer", "pegasus": "PegasusTokenizer", "longformer": "LongformerTokenizer",
+                          "led": "LEDTokenizer", "bert": "BertTokenizer"}
+
+
+def write_slow_tokenizer(directory, family: str) -> Path:
+    """Replace a checkpoint's tokenizer.json by the files the family's public checkpoints ship
+    instead, with tokenizer_config.json naming the class: a SentencePiece spiece.model (bigbird:
+    BigBird's specials [CLS] [SEP] [MASK] <pad> <s> </s> <unk>; pegasus: pad 0, eos 1, unk 2, the
+    103 offset ids added by the tokenizer), vocab.json + merges.txt (longformer, led: byte-level BPE
+    with <s> <pad> </s> <unk> <mask>) or vocab.txt (bert: WordPiece). Trained on TINY_WORDS text;
+    every id stays below the tiny models' vocab_size()."""
+    import random
+
+    directory = Path(directory)
+    (directory / "tokenizer.json").unlink(missing_ok=True)
+    rng = random.Random(0)
+    corpus = directory / "corpus.txt.tmp"
+    corpus.write_text("\n".join(" ".join(rng.choice(TINY_WORDS) for _ in range(12)) for _ in range(2000)))
+    try:
+        if family in ("bigbird", "pegasus"):
+            import sentencepiece
+
+            ids = (dict(pad_id=0, bos_id=1, eos_id=2, unk_id=3, user_defined_symbols=["[SEP]", "[CLS]", "[MASK]"])
+                   if family == "bigbird" else dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1))
+            sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "spiece"),
+                                                     vocab_size=300, model_type="unigram", minloglevel=2, **ids)
+            (directory / "spiece.vocab").unlink()
+        elif family in ("longformer", "led"):
+            from tokenizers import ByteLevelBPETokenizer
+
+            bpe = ByteLevelBPETokenizer()
+            bpe.train([str(corpus)], vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                      show_progress=False)
+            bpe.save_model(str(directory))
+        elif family == "bert":
+            (directory / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                                            *dict.fromkeys(TINY_WORDS)]) + "\n")
+        else:
+            raise ValueError(f"family must be one of {', '.join(SLOW_TOKENIZER_CLASSES)}")
+    finally:
+        corpus.unlink()
+    config = {"tokenizer_class": SLOW_TOKENIZER_CLASSES[family]}
+    if family == "bert":
+        config["do_lower_case"] = True
+    (directory / "tokenizer_config.json").write_text(json.dumps(config) + "\n")
+    return directory

@@ -10,7 +10,7 @@ import argparse
 import types
 import typing
 
-from longdoc.default_models import default_model_dirs
+from longdoc.default_models import default_model_dirs, served_from
 
 SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
 
@@ -156,6 +156,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = build_settings(args)
     check_models(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
     app = create_app(settings)
 
     class Server(uvicorn.Server):

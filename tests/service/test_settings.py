@@ -141,3 +141,24 @@ def test_default_models_are_found_in_the_working_directory_then_in_longdoc_model
 
 def test_every_setting_has_a_description_for_its_help():
     assert [name for name, field in Settings.model_fields.items() if not field.description] == []
+
+
+def test_start_up_log_names_the_folder_and_each_model_it_serves(tmp_path, tiny_qa_dir, tiny_classify_dir):
+    """Issue 25, defect 3: `longdoc serve` with no --model says which models folder it serves (a
+    user's ./models, not the installed longdoc-models) and every model in it; --model names each."""
+    import shutil
+
+    from tests.service.conftest import ServeProcess
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_qa_dir, work / "models" / "qa")
+    shutil.copytree(tiny_classify_dir, work / "models" / "myclassify")
+    with ServeProcess(["--log-level", "info", "--no-warmup"], tmp_path / "serve.log", cwd=work):
+        pass
+    log = (tmp_path / "serve.log").read_text()
+    assert f"serving models from {work / 'models'}: myclassify, qa\n" in log, log
+    with ServeProcess(["--log-level", "info", "--no-warmup", "--model", f"cls={tiny_classify_dir}"],
+                      tmp_path / "serve2.log", cwd=work):
+        pass
+    assert f"serving models from {tiny_classify_dir.parent}: cls={tiny_classify_dir.name}\n" in (
+        tmp_path / "serve2.log").read_text()

@@ -195,6 +195,24 @@ def attention_dict(config: dict, plan: str) -> dict:
     return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
 
 
+def length_bounds(config: dict, attention: str = "sparse") -> tuple[int, int, int]:
+    """(min_length, max_length, full_attention_max_length) of a checkpoint's export: the lengths
+    transformers runs on it too (docs/export.md, "Length bounds"), and up to which length it runs
+    full attention (BigBird's switch; 0: never)."""
+    enc, bs = encoder_config(config), encoder_block_size(config)
+    if config["model_type"] == "longformer":  # RoBERTa positions start after pad_token_id (window padding
+        # takes pad's position); no switch to full attention
+        max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
+        return 1, max_length, (max_length if attention == "full" else 0)
+    if windowed(config):  # LED: transformers pads the input to a multiple of attention_window (2w) and
+        # then looks up positions 0..padded-1 of the encoder's table: a length whose padding runs past
+        # the table cannot run (1013 -> 1032 of 1024 with window 24)
+        return 1, int(config["max_encoder_position_embeddings"]) // (2 * bs) * (2 * bs), 0
+    max_length = (int(enc["max_position_embeddings"]) // bs) * bs
+    sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
+    return bs, max_length, (5 + 2 * int(enc.get("num_random_blocks", 3))) * bs if sparse else max_length
+
+
 def encoder_block_size(config: dict) -> int:
     """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
     if windowed(config):
@@ -280,7 +298,6 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     sparse = windowed(config) or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
     bs = encoder_block_size(config)
-    r = int(enc.get("num_random_blocks", 3))
 
     graphs = {}
     if task == "summarize":
@@ -328,15 +345,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
         special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
-        if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
-            max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
-            min_length, full_max = 1, (max_length if attention == "full" else 0)
-        elif windowed(config):  # LED: positions 0..S-1 of the encoder's table; no switch to full attention
-            max_length = int(config["max_encoder_position_embeddings"]) // bs * bs
-            min_length, full_max = 1, 0
-        else:
-            max_length = (int(enc["max_position_embeddings"]) // bs) * bs
-            min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
+        min_length, max_length, full_max = length_bounds(config, attention)
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs},

@@ -17,7 +17,8 @@ manifest's default on the first row of some checks, 1 to 4 random positions else
 lengths that are and are not multiples of the window. LED exports: both sides take the first
 token as global (the manifest's `global_tokens` "first", what the export's summarize path passes).
 
-Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
+Lengths the reference cannot run (outside the export's or the checkpoint's `length_bounds`) are skipped, and
+the report says which and why. Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
 not a block multiple, the maximum, and transformers' special padded lengths 1024/3072/4096 with a
 length that pads to each), batch 1 and batch 3 with padding (rows of S, 2S/3, S/3 real tokens),
 on real positions only (padding is stripped/ignored):
@@ -92,6 +93,7 @@ class VerifyReport:
     dtype: str
     against: str
     checks: list[Check] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)  # length -> why it was not checked
 
     @property
     def ok(self) -> bool:
@@ -105,6 +107,7 @@ class VerifyReport:
             diff = "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
             lines.append(f"  {c.graph:15} {c.what:28} {c.length:6d} {c.batch:5d} {diff:>10}  "
                          f"{'ok' if c.ok else 'MISMATCH'}{'  ' + c.note if c.note else ''}")
+        lines += [f"  skipped length {n}: {why}" for n, why in self.skipped.items()]
         return "\n".join(lines)
 
 
@@ -123,6 +126,25 @@ def verify_lengths(manifest) -> list[int]:
     if m.global_tokens != "none":  # Longformer: one block, a window (2 blocks) and around it, many windows
         candidates += [bs - 1, 2 * bs, 2 * bs + 3, 5 * bs + bs // 2 + 1]
     return sorted({x for x in candidates if m.min_length <= x <= m.max_length})
+
+
+def runnable_lengths(manifest, checkpoint_dir: Path, lengths: list[int]) -> tuple[list[int], dict[int, str]]:
+    """(the lengths both sides can run, {length: why not} for the others): the export runs
+    min_length..max_length; the reference the bounds of the checkpoint's own export
+    (`longdoc.export.exporter.length_bounds`: e.g. transformers' LED pads to a multiple of its window
+    before the position table, so an export made with other bounds can hold lengths it cannot run)."""
+    from longdoc.export.exporter import length_bounds, read_config
+
+    low, high = length_bounds(read_config(checkpoint_dir))[:2]
+    run, skipped = [], {}
+    for n in lengths:
+        if not manifest.min_length <= n <= manifest.max_length:
+            skipped[n] = f"outside the export's lengths {manifest.min_length}..{manifest.max_length}"
+        elif not low <= n <= high:
+            skipped[n] = f"the reference runs lengths {low}..{high} of this checkpoint (docs/export.md, \"Length bounds\")"
+        else:
+            run.append(n)
+    return run, skipped
 
 
 def _random_batch(rng, manifest, vocab_size: int, S: int, batch: int):
@@ -365,7 +387,11 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     report = VerifyReport(str(model_dir), dtype, against)
     rng = np.random.default_rng(seed)
     vocab = onnx_model.tokenizer.get_vocab_size()
-    lengths = lengths or verify_lengths(m)
+    lengths, report.skipped = runnable_lengths(m, checkpoint_dir, lengths or verify_lengths(m))
+    for n, why in report.skipped.items():
+        progress(f"skipping length {n}: {why}")
+    if not lengths:
+        raise VerifyError(f"no length to check: {'; '.join(f'{n}: {why}' for n, why in report.skipped.items())}")
     sep = m.special_tokens.get("sep")
     agree: dict[str, list[bool]] = {}  # int8 criterion -> one bool per row (MLM: per position)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -415,11 +416,29 @@ def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     attention MatMuls multiply two activations and stay fp32. per_channel: one weight scale per
     output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
     keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
+    import logging
+
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory() as tmp:
-        fp32 = Path(tmp) / "fp32.onnx"
-        save_model(model, fp32)
-        quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         per_channel=per_channel,
-                         use_external_data_format=model.ByteSize() > 1_800_000_000)
+    # ONNX Runtime logs "Please consider to run pre-processing before quantization" on the root
+    # logger for every graph without its pre-processing metadata; that pre-processing (symbolic shape
+    # inference, graph optimization) serves static quantization, and our graphs are built already
+    # shaped and plain. A NullHandler keeps the root logger from configuring itself to print it.
+    root, hint, quiet = logging.getLogger(), _NoPreprocessingHint(), logging.NullHandler()
+    root.addFilter(hint)
+    root.addHandler(quiet)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            fp32 = Path(tmp) / "fp32.onnx"
+            save_model(model, fp32)
+            quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                             per_channel=per_channel,
+                             use_external_data_format=model.ByteSize() > 1_800_000_000)
+    finally:
+        root.removeFilter(hint)
+        root.removeHandler(quiet)
+
+
+class _NoPreprocessingHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -20,7 +21,8 @@ from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECT
 from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.model.layout import AttentionSpec, checkpoint_attention_spec, longformer_attention_specs
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import special_token_ids, summarize_input_of
+from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
+                                        summarize_input_of)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
@@ -51,6 +53,21 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(MODEL_TYPES)})")
     return config
+
+
+def checkpoint_tokenizer(checkpoint_dir: Path, progress: Callable[[str], None] = print):
+    """The tokenizer the export writes as its tokenizer.json: the checkpoint's own tokenizer.json,
+    or one converted from the files its family's public checkpoints ship instead (spiece.model,
+    vocab.json + merges.txt, vocab.txt; `longdoc.model.tokenization.convert_tokenizer`)."""
+    try:
+        if (checkpoint_dir / TOKENIZER_NAME).is_file():
+            return load_tokenizer(checkpoint_dir)
+        tokenizer = convert_tokenizer(checkpoint_dir)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from None
+    progress(f"converted the checkpoint's tokenizer to {TOKENIZER_NAME} (same ids as transformers' tokenizer on "
+             "sample text)")
+    return tokenizer
 
 
 def weights_path(directory: Path) -> Path:
@@ -179,6 +196,24 @@ def attention_dict(config: dict, plan: str) -> dict:
     return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
 
 
+def length_bounds(config: dict, attention: str = "sparse") -> tuple[int, int, int]:
+    """(min_length, max_length, full_attention_max_length) of a checkpoint's export: the lengths
+    transformers runs on it too (docs/export.md, "Length bounds"), and up to which length it runs
+    full attention (BigBird's switch; 0: never)."""
+    enc, bs = encoder_config(config), encoder_block_size(config)
+    if config["model_type"] == "longformer":  # RoBERTa positions start after pad_token_id (window padding
+        # takes pad's position); no switch to full attention
+        max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
+        return 1, max_length, (max_length if attention == "full" else 0)
+    if windowed(config):  # LED: transformers pads the input to a multiple of attention_window (2w) and
+        # then looks up positions 0..padded-1 of the encoder's table: a length whose padding runs past
+        # the table cannot run (1013 -> 1032 of 1024 with window 24)
+        return 1, int(config["max_encoder_position_embeddings"]) // (2 * bs) * (2 * bs), 0
+    max_length = (int(enc["max_position_embeddings"]) // bs) * bs
+    sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
+    return bs, max_length, (5 + 2 * int(enc.get("num_random_blocks", 3))) * bs if sparse else max_length
+
+
 def encoder_block_size(config: dict) -> int:
     """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
     if windowed(config):
@@ -252,9 +287,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
                               "checkpoint exports its own attention (BigBird: attention_type original_full in "
                               "config.json is full attention)")
     wpath = weights_path(checkpoint_dir)
-    tokenizer = checkpoint_dir / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json (the model directory must be self-contained)")
+    tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     enc = encoder_config(config)
@@ -266,7 +299,6 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     sparse = windowed(config) or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
     bs = encoder_block_size(config)
-    r = int(enc.get("num_random_blocks", 3))
 
     graphs = {}
     if task == "summarize":
@@ -304,22 +336,17 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             else:
                 save_model(model, path)
             progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        shutil.copyfile(tokenizer, staging / TOKENIZER_NAME)
+        if (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
+            shutil.copyfile(checkpoint_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
+        else:
+            tokenizer.save(str(staging / TOKENIZER_NAME))
 
         labels = None
         if task == "classify":
             id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
             labels = [id2label[str(i)] for i in range(len(id2label))]
-        special = special_token_ids(checkpoint_dir)
-        if longformer:  # RoBERTa positions start after pad_token_id; no switch to full attention
-            max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
-            min_length, full_max = 1, (max_length if attention == "full" else 0)
-        elif windowed(config):  # LED: positions 0..S-1 of the encoder's table; no switch to full attention
-            max_length = int(config["max_encoder_position_embeddings"]) // bs * bs
-            min_length, full_max = 1, 0
-        else:
-            max_length = (int(enc["max_position_embeddings"]) // bs) * bs
-            min_length, full_max = bs, (5 + 2 * r) * bs if sparse else max_length
+        special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
+        min_length, max_length, full_max = length_bounds(config, attention)
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs},
@@ -389,11 +416,29 @@ def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     attention MatMuls multiply two activations and stay fp32. per_channel: one weight scale per
     output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
     keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
+    import logging
+
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory() as tmp:
-        fp32 = Path(tmp) / "fp32.onnx"
-        save_model(model, fp32)
-        quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         per_channel=per_channel,
-                         use_external_data_format=model.ByteSize() > 1_800_000_000)
+    # ONNX Runtime logs "Please consider to run pre-processing before quantization" on the root
+    # logger for every graph without its pre-processing metadata; that pre-processing (symbolic shape
+    # inference, graph optimization) serves static quantization, and our graphs are built already
+    # shaped and plain. A NullHandler keeps the root logger from configuring itself to print it.
+    root, hint, quiet = logging.getLogger(), _NoPreprocessingHint(), logging.NullHandler()
+    root.addFilter(hint)
+    root.addHandler(quiet)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            fp32 = Path(tmp) / "fp32.onnx"
+            save_model(model, fp32)
+            quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                             per_channel=per_channel,
+                             use_external_data_format=model.ByteSize() > 1_800_000_000)
+    finally:
+        root.removeFilter(hint)
+        root.removeHandler(quiet)
+
+
+class _NoPreprocessingHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()

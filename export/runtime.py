@@ -32,6 +32,14 @@ def parse_device(device: str) -> tuple[str, int]:
     return "cuda", int(index)
 
 
+def require_device(kind: str) -> None:
+    """RuntimeError unless this ONNX Runtime build runs on `kind` ("cpu" or "cuda")."""
+    import onnxruntime as ort
+
+    if kind == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise RuntimeError("device='cuda' needs onnxruntime-gpu (CUDAExecutionProvider is not available)")
+
+
 def execution_providers(device: str, device_id: int = 0) -> list:
     """The `providers` argument of `onnxruntime.InferenceSession` for a device: the CPU provider,
     or the CUDA provider on GPU `device_id` (its `device_id` provider option), CPU as fallback."""
@@ -78,8 +86,7 @@ class OnnxModel:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         providers = execution_providers(device, device_id)
         self.device, self.device_id = device, device_id
-        if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise RuntimeError("device='cuda' needs onnxruntime-gpu (CUDAExecutionProvider is not available)")
+        require_device(device)
         options = ort.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = int(threads)

@@ -1,8 +1,10 @@
 """`longdoc verify`: ONNX Runtime against the PyTorch reference on random inputs.
 
 Reference: our PyTorch model (`longdoc.model.load_pretrained(checkpoint, plan)`), or with
-`against="transformers"` transformers itself (train mode with every dropout at 0 for the
-hf-train plan, which is what transformers draws in training mode; eval mode for hf-eval). The
+`against="transformers"` transformers itself (train mode for the hf-train plan, which is what
+transformers draws in training mode, built from the checkpoint's config with every dropout and
+layerdrop at 0, so that the reference is deterministic whatever dropout config.json holds; eval
+mode for hf-eval). The
 reference always runs in fp32.
 
 Before anything runs, the checkpoint must be the one exported: the sha256 of its weights file
@@ -15,7 +17,8 @@ manifest's default on the first row of some checks, 1 to 4 random positions else
 lengths that are and are not multiples of the window. LED exports: both sides take the first
 token as global (the manifest's `global_tokens` "first", what the export's summarize path passes).
 
-Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
+Lengths the reference cannot run (outside the export's or the checkpoint's `length_bounds`) are skipped, and
+the report says which and why. Checked at >= 5 lengths (the minimum, both sides of the full-attention threshold, a length that is
 not a block multiple, the maximum, and transformers' special padded lengths 1024/3072/4096 with a
 length that pads to each), batch 1 and batch 3 with padding (rows of S, 2S/3, S/3 real tokens),
 on real positions only (padding is stripped/ignored):
@@ -90,6 +93,7 @@ class VerifyReport:
     dtype: str
     against: str
     checks: list[Check] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)  # length -> why it was not checked
 
     @property
     def ok(self) -> bool:
@@ -103,6 +107,7 @@ class VerifyReport:
             diff = "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
             lines.append(f"  {c.graph:15} {c.what:28} {c.length:6d} {c.batch:5d} {diff:>10}  "
                          f"{'ok' if c.ok else 'MISMATCH'}{'  ' + c.note if c.note else ''}")
+        lines += [f"  skipped length {n}: {why}" for n, why in self.skipped.items()]
         return "\n".join(lines)
 
 
@@ -121,6 +126,25 @@ def verify_lengths(manifest) -> list[int]:
     if m.global_tokens != "none":  # Longformer: one block, a window (2 blocks) and around it, many windows
         candidates += [bs - 1, 2 * bs, 2 * bs + 3, 5 * bs + bs // 2 + 1]
     return sorted({x for x in candidates if m.min_length <= x <= m.max_length})
+
+
+def runnable_lengths(manifest, checkpoint_dir: Path, lengths: list[int]) -> tuple[list[int], dict[int, str]]:
+    """(the lengths both sides can run, {length: why not} for the others): the export runs
+    min_length..max_length; the reference the bounds of the checkpoint's own export
+    (`longdoc.export.exporter.length_bounds`: e.g. transformers' LED pads to a multiple of its window
+    before the position table, so an export made with other bounds can hold lengths it cannot run)."""
+    from longdoc.export.exporter import length_bounds, read_config
+
+    low, high = length_bounds(read_config(checkpoint_dir))[:2]
+    run, skipped = [], {}
+    for n in lengths:
+        if not manifest.min_length <= n <= manifest.max_length:
+            skipped[n] = f"outside the export's lengths {manifest.min_length}..{manifest.max_length}"
+        elif not low <= n <= high:
+            skipped[n] = f"the reference runs lengths {low}..{high} of this checkpoint (docs/export.md, \"Length bounds\")"
+        else:
+            run.append(n)
+    return run, skipped
 
 
 def _random_batch(rng, manifest, vocab_size: int, S: int, batch: int):
@@ -206,22 +230,34 @@ class Reference:
 
 
 def _load_transformers(checkpoint_dir: Path, manifest, plan: str):
+    """transformers' model of the checkpoint, deterministic: hf-eval in eval mode; hf-train in
+    training mode (where transformers draws the hf-train random blocks) with every dropout and
+    layerdrop of the config at 0 before any module is built. Zeroing the built modules' Dropout is
+    not enough: on an input too short for block-sparse attention BigBird rebuilds `attention.self`
+    inside `forward`, with a fresh Dropout of the config's probability (0.1 in transformers'
+    default config and the public checkpoints)."""
     import transformers
 
     if plan == "seeded":
         raise ValueError("plan 'seeded' is ours; transformers cannot reproduce it (use --against model)")
     cls = getattr(transformers, manifest.architecture)
-    module = cls.from_pretrained(str(checkpoint_dir))
-    if plan == "hf-eval":
-        return module.eval()
-    module.train()  # transformers draws the hf-train blocks in training mode; switch dropout off
-    for sub in module.modules():
-        if sub.__class__.__name__ == "Dropout":
-            sub.p = 0.0
-        for attr in ("dropout", "activation_dropout", "attention_dropout"):
-            if isinstance(getattr(sub, attr, None), float):
-                setattr(sub, attr, 0.0)
-    return module
+    config = transformers.AutoConfig.from_pretrained(str(checkpoint_dir))
+    if plan != "hf-eval":
+        without_dropout(config)
+    module = cls.from_pretrained(str(checkpoint_dir), config=config)
+    return module.eval() if plan == "hf-eval" else module.train()
+
+
+def without_dropout(config) -> None:
+    """Set every dropout probability and layerdrop of a transformers config, and of the configs it
+    holds (an EncoderDecoderConfig's encoder and decoder), to 0 in place."""
+    import transformers
+
+    for name, value in list(vars(config).items()):
+        if isinstance(value, transformers.PretrainedConfig):
+            without_dropout(value)
+        elif ("dropout" in name or "layerdrop" in name) and isinstance(value, float):
+            setattr(config, name, 0.0)
 
 
 def _qa_spans(start: np.ndarray, end: np.ndarray, ids: np.ndarray, mask: np.ndarray, sep: int | None,
@@ -351,7 +387,11 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     report = VerifyReport(str(model_dir), dtype, against)
     rng = np.random.default_rng(seed)
     vocab = onnx_model.tokenizer.get_vocab_size()
-    lengths = lengths or verify_lengths(m)
+    lengths, report.skipped = runnable_lengths(m, checkpoint_dir, lengths or verify_lengths(m))
+    for n, why in report.skipped.items():
+        progress(f"skipping length {n}: {why}")
+    if not lengths:
+        raise VerifyError(f"no length to check: {'; '.join(f'{n}: {why}' for n, why in report.skipped.items())}")
     sep = m.special_tokens.get("sep")
     agree: dict[str, list[bool]] = {}  # int8 criterion -> one bool per row (MLM: per position)
 
@@ -437,7 +477,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
                 if beams == 1 and m.dtype == "int8":
                     n = agreement.tokens_prefix
                     agree.setdefault(f"first {n} greedy tokens identical", []).extend(
-                        _pad(g, n, fill[1]) == _pad(w, n, fill[1]) for g, w in zip(got, want))
+                        same_greedy_prefix(g, w, n, fill[1]) for g, w in zip(got, want))
                     agree.setdefault(f"reference's first {n} tokens in int8 top {GEN_TOP}", []).extend(
                         reference_tokens_in_top(onnx_model, ids, mask, want, n, GEN_TOP, fill[1]))
                 same = all(rows_same)
@@ -501,6 +541,13 @@ def reference_tokens_in_top(onnx_model, ids, mask, want, n: int, k: int, eos) ->
         steps = [t for t in range(n) if r[t] >= 0]
         out.append(all(int((logits[b, t] > logits[b, t, r[t]]).sum()) < k for t in steps))
     return out
+
+
+def same_greedy_prefix(got, want, n: int, eos) -> bool:
+    """Two generated rows (each starting with the decoder start token) agree on their first n
+    generated tokens, up to an eos. The start token is left out: LED's (and BART's) is the eos
+    itself, and cut there every row compared as identical."""
+    return _pad(list(got[1:]), n, eos) == _pad(list(want[1:]), n, eos)
 
 
 def _pad(tokens, n: int, eos) -> list:

@@ -43,3 +43,14 @@ def default_model_dirs() -> dict[str, Path]:
         f"under {local}/, or install the default models, the longdoc-models distribution built from the "
         "repository's models/ (`pip install ./models`; see docs/models.md)."
     )
+
+
+def served_from(models: dict[str, Path]) -> str:
+    """The start-up log's account of what is served: each folder (absolute) and the models in it,
+    e.g. "/srv/models: classify, myqa, qa, summarize" (a model named otherwise than its directory
+    as NAME=DIR)."""
+    folders: dict[Path, list[str]] = {}
+    for name, directory in models.items():
+        directory = Path(directory).resolve()
+        folders.setdefault(directory.parent, []).append(name if directory.name == name else f"{name}={directory.name}")
+    return "; ".join(f"{folder}: {', '.join(names)}" for folder, names in folders.items())

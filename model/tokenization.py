@@ -1,6 +1,8 @@
 """The tokenizer of a checkpoint directory (tokenizers library; no torch, no transformers).
 
     load_tokenizer(directory)     -> tokenizers.Tokenizer from tokenizer.json
+    convert_tokenizer(directory)  -> tokenizers.Tokenizer from the files a public checkpoint ships
+                                     instead (SLOW_TOKENIZER_FILES; needs transformers, at export)
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
 
@@ -23,21 +25,99 @@ class TokenizerError(Exception):
     """A checkpoint directory whose tokenizer cannot be loaded; the message says why."""
 
 
+# The tokenizer files the public checkpoints of each family ship instead of tokenizer.json
+# (google/bigbird-*, google/bigbird-pegasus-*, allenai/longformer-*, allenai/led-*, BERT models)
+SLOW_TOKENIZER_FILES = {
+    "spiece.model": "BigBird, BigBird-Pegasus (SentencePiece)",
+    "vocab.json + merges.txt": "Longformer, LED (byte-level BPE)",
+    "vocab.txt": "BERT, a BERT2BERT decoder (WordPiece)",
+}
+# converted tokenizers must give the checkpoint's own tokenizer's ids on these
+SAMPLE_TEXTS = ("The quick brown fox jumps over the lazy dog.",
+                "Long documents: 4,096 tokens, café naïve -- chown(2) changes the owner of a file!",
+                "  spaces   and\ttabs, UPPER and lower, 3.14 %$# <s> [SEP]")
+
+
+def tokenizer_class(directory) -> str:
+    """The transformers class that reads the checkpoint's tokenizer: tokenizer_config.json's
+    `tokenizer_class` (AutoTokenizer goes by config.json's model_type, and transformers 5 maps
+    bigbird_pegasus to no SentencePiece class), else AutoTokenizer."""
+    name = _read_json(Path(directory) / "tokenizer_config.json").get("tokenizer_class")
+    return name.removesuffix("Fast") if isinstance(name, str) and name.isidentifier() else "AutoTokenizer"
+
+
+def convert_command(directory) -> str:
+    """The one command that writes `directory/tokenizer.json` from a checkpoint's other tokenizer
+    files (needs transformers, and sentencepiece for spiece.model)."""
+    d, cls = str(directory), tokenizer_class(directory)
+    return (f"python -c \"from transformers import {cls}; {cls}.from_pretrained({d!r})"
+            f".backend_tokenizer.save({d + '/' + TOKENIZER_NAME!r})\"")
+
+
+def slow_tokenizer_files(directory) -> list[str]:
+    """The names of SLOW_TOKENIZER_FILES found complete in `directory` (e.g. ["vocab.json + merges.txt"])."""
+    d = Path(directory)
+    return [names for names in SLOW_TOKENIZER_FILES if all((d / n).is_file() for n in names.split(" + "))]
+
+
+def _no_tokenizer_json(directory, why: str) -> str:
+    needs = "; ".join(f"{files} ({family})" for files, family in SLOW_TOKENIZER_FILES.items())
+    return (f"{str(directory)!r} has no {TOKENIZER_NAME} (the fast-tokenizer file); {why}. The tokenizer files each "
+            f"family needs: {TOKENIZER_NAME}, or {needs}. Make {TOKENIZER_NAME} once with transformers and "
+            f"sentencepiece installed (pip install 'transformers>=4.44' 'sentencepiece>=0.2'): "
+            f"{convert_command(directory)}")
+
+
 def load_tokenizer(directory):
     """tokenizers.Tokenizer from `directory/tokenizer.json`."""
     from tokenizers import Tokenizer
 
     path = Path(directory) / TOKENIZER_NAME
     if not path.is_file():
-        raise TokenizerError(
-            f"{str(directory)!r} has no {TOKENIZER_NAME} (the fast-tokenizer file). Checkpoints that ship "
-            "only a SentencePiece model can be converted once with transformers: "
-            "AutoTokenizer.from_pretrained(dir).backend_tokenizer.save(dir + '/tokenizer.json')"
-        )
+        found = slow_tokenizer_files(directory)
+        raise TokenizerError(_no_tokenizer_json(directory, f"found {', '.join(found)}" if found
+                                                else "nor any other tokenizer file"))
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the library raises plain Exception subclasses for malformed files
         raise TokenizerError(f"{path}: not a readable tokenizers file ({e})") from None
+
+
+def convert_tokenizer(directory):
+    """tokenizers.Tokenizer equivalent to the checkpoint's own tokenizer, built by transformers from
+    the files a checkpoint without tokenizer.json ships (SLOW_TOKENIZER_FILES), and checked: its ids
+    on SAMPLE_TEXTS (alone and as a pair) equal the checkpoint's tokenizer's. TokenizerError names
+    the files found and the command that makes tokenizer.json where it cannot convert."""
+    from tokenizers import Tokenizer
+
+    found = slow_tokenizer_files(directory)
+    if not found:
+        listing = ", ".join(sorted(p.name for p in Path(directory).iterdir())) or "nothing"
+        raise TokenizerError(_no_tokenizer_json(directory, f"found no tokenizer files (the directory holds {listing})"))
+    try:
+        import transformers
+        if "spiece.model" in found:
+            import sentencepiece  # noqa: F401  (transformers' SentencePiece converter reads the model with it)
+    except ImportError as exc:
+        raise TokenizerError(_no_tokenizer_json(
+            directory, f"found {', '.join(found)}, which export converts only where transformers and sentencepiece "
+                       f"are installed ({exc})")) from None
+    try:
+        theirs = getattr(transformers, tokenizer_class(directory)).from_pretrained(str(directory))
+        backend = theirs.backend_tokenizer
+    except Exception as exc:  # transformers raises many kinds for unreadable or unknown files
+        raise TokenizerError(_no_tokenizer_json(directory, f"found {', '.join(found)}, but transformers cannot "
+                                                           f"convert them ({type(exc).__name__}: {exc})")) from None
+    converted = Tokenizer.from_str(backend.to_str())  # what serving loads from the written file
+    for text in SAMPLE_TEXTS:
+        for args in ((text,), (text, SAMPLE_TEXTS[0])):
+            want = theirs(*args)["input_ids"]
+            got = converted.encode(*args).ids
+            if got != want:
+                raise TokenizerError(f"{directory}: the tokenizer converted from {', '.join(found)} gives other ids "
+                                     f"than the checkpoint's own on {args!r}: {got[:12]} vs {want[:12]}; make "
+                                     f"{TOKENIZER_NAME} yourself: {convert_command(directory)}")
+    return converted
 
 
 def _read_json(path: Path) -> dict:

@@ -10,7 +10,7 @@ import argparse
 import types
 import typing
 
-from longdoc.default_models import default_model_dirs
+from longdoc.default_models import default_model_dirs, served_from
 
 SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
 
@@ -133,6 +133,7 @@ def check_models(settings) -> None:
     """Every model directory is an export (a readable manifest.json) and every --default-model names
     a served model of its task: one clear line before start-up, not a traceback from the lifespan."""
     from longdoc.export.manifest import Manifest, ManifestError
+    from longdoc.export.runtime import parse_device, require_device
     from longdoc.service.settings import choose_default_models
 
     tasks = {}
@@ -142,6 +143,25 @@ def check_models(settings) -> None:
         except ManifestError as exc:
             raise ValueError(f"model {name}: {exc}") from None
     choose_default_models(settings.default_models, tasks)
+    for device in settings.devices:  # before any model loads, not a traceback from the lifespan
+        try:
+            require_device(parse_device(device)[0])
+        except RuntimeError as exc:
+            raise ValueError(f"--device {device}: {exc}; install longdoc[gpu] instead of longdoc[serve]") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """A port another process listens on is one clear line at once, not after every model has
+    loaded and warmed up (uvicorn binds only then)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -155,7 +175,9 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = build_settings(args)
     check_models(settings)
+    check_port(settings.host, settings.port)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
     app = create_app(settings)
 
     class Server(uvicorn.Server):

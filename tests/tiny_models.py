@@ -78,6 +78,14 @@ def vocab_size() -> int:
     return len(tiny_tokenizer().get_vocab())
 
 
+def default_dropout(config_class) -> dict:
+    """The dropout probabilities and layerdrop of a transformers config class's defaults (BigBird,
+    Longformer, BERT: 0.1 hidden and attention dropout; Pegasus, LED: dropout 0.1), what the public
+    checkpoints hold: overrides for the tiny checkpoints, which otherwise switch dropout off."""
+    return {k: v for k, v in config_class().to_dict().items()
+            if ("dropout" in k or "layerdrop" in k) and isinstance(v, float)}
+
+
 def tiny_config(task: str) -> dict:
     """transformers config kwargs of the tiny model for a task."""
     common = dict(vocab_size=vocab_size(), max_position_embeddings=512, block_size=16, num_random_blocks=2,
@@ -207,10 +215,11 @@ def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Pa
     return directory
 
 
-def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
+def make_tiny_encoder_decoder(directory, seed: int = 0, **overrides) -> Path:
     """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
     blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;
-    decoder start [CLS], eos [SEP], the BERT2BERT way."""
+    decoder start [CLS], eos [SEP], the BERT2BERT way. `overrides` change fields of both the
+    encoder's and the decoder's config."""
     import torch
     import transformers
 
@@ -219,6 +228,7 @@ def make_tiny_encoder_decoder(directory, seed: int = 0) -> Path:
     common = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                   initializer_range=0.25, pad_token_id=PAD)
+    common.update(overrides)
     enc = transformers.BigBirdConfig(**common, max_position_embeddings=512, block_size=16, num_random_blocks=2,
                                      sep_token_id=SEP)
     dec = transformers.BertConfig(**common, max_position_embeddings=64, is_decoder=True, add_cross_attention=True)
@@ -258,4 +268,52 @@ def make_tiny_led(directory, seed: int = 0, **overrides) -> Path:
     directory = Path(directory)
     model.save_pretrained(directory)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+SLOW_TOKENIZER_CLASSES = {"bigbird": "BigBirdTokenizer", "pegasus": "PegasusTokenizer", "longformer": "LongformerTokenizer",
+                          "led": "LEDTokenizer", "bert": "BertTokenizer"}
+
+
+def write_slow_tokenizer(directory, family: str) -> Path:
+    """Replace a checkpoint's tokenizer.json by the files the family's public checkpoints ship
+    instead, with tokenizer_config.json naming the class: a SentencePiece spiece.model (bigbird:
+    BigBird's specials [CLS] [SEP] [MASK] <pad> <s> </s> <unk>; pegasus: pad 0, eos 1, unk 2, the
+    103 offset ids added by the tokenizer), vocab.json + merges.txt (longformer, led: byte-level BPE
+    with <s> <pad> </s> <unk> <mask>) or vocab.txt (bert: WordPiece). Trained on TINY_WORDS text;
+    every id stays below the tiny models' vocab_size()."""
+    import random
+
+    directory = Path(directory)
+    (directory / "tokenizer.json").unlink(missing_ok=True)
+    rng = random.Random(0)
+    corpus = directory / "corpus.txt.tmp"
+    corpus.write_text("\n".join(" ".join(rng.choice(TINY_WORDS) for _ in range(12)) for _ in range(2000)))
+    try:
+        if family in ("bigbird", "pegasus"):
+            import sentencepiece
+
+            ids = (dict(pad_id=0, bos_id=1, eos_id=2, unk_id=3, user_defined_symbols=["[SEP]", "[CLS]", "[MASK]"])
+                   if family == "bigbird" else dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1))
+            sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "spiece"),
+                                                     vocab_size=300, model_type="unigram", minloglevel=2, **ids)
+            (directory / "spiece.vocab").unlink()
+        elif family in ("longformer", "led"):
+            from tokenizers import ByteLevelBPETokenizer
+
+            bpe = ByteLevelBPETokenizer()
+            bpe.train([str(corpus)], vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                      show_progress=False)
+            bpe.save_model(str(directory))
+        elif family == "bert":
+            (directory / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                                            *dict.fromkeys(TINY_WORDS)]) + "\n")
+        else:
+            raise ValueError(f"family must be one of {', '.join(SLOW_TOKENIZER_CLASSES)}")
+    finally:
+        corpus.unlink()
+    config = {"tokenizer_class": SLOW_TOKENIZER_CLASSES[family]}
+    if family == "bert":
+        config["do_lower_case"] = True
+    (directory / "tokenizer_config.json").write_text(json.dumps(config) + "\n")
     return directory

@@ -312,3 +312,15 @@ def test_an_interrupted_export_leaves_nothing_half_written(tiny_qa_dir, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == (["myqa"] if existing else [])
     if existing:  # the export it was replacing is whole
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_int8_export_prints_no_onnx_runtime_pre_processing_hint(tmp_path):
+    """Issue 25, defect 6: every int8 export printed ONNX Runtime's "Please consider to run
+    pre-processing before quantization" (a hint for static quantization), once per graph."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "classify")
+    code = ("from longdoc.export.exporter import export_model; import sys; "
+            f"export_model({str(ckpt)!r}, {str(tmp_path / 'model')!r}, 'classify', dtype='int8', progress=print)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "quantizing encoder graph to int8" in run.stdout
+    assert "pre-processing" not in run.stdout + run.stderr, run.stderr

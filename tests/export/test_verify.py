@@ -174,3 +174,14 @@ def test_int8_summarize_is_judged_by_where_the_export_ranks_the_reference_tokens
     far[0, 2, :] = np.arange(V)  # the reference's 7 ranks third of ten: fine; its 8 at the next step...
     far[0, 3, :] = np.arange(V)[::-1]  # ...ranks ninth: another model's choice, not a tie
     assert reference_tokens_in_top(_TeacherForced(far), ids, mask, want, 4, 3, EOS) == [False, True]
+
+
+def test_greedy_prefix_agreement_skips_a_decoder_start_that_is_eos():
+    """Issue 25, defect 4: LED starts decoding with its eos (2); cut at that first eos, every row
+    compared as identical, `4/4 = 100.0%` beside `row 0 differs: [2, 151, 783, 1154] vs [2, 783, ...]`."""
+    from longdoc.export.verify import same_greedy_prefix
+
+    assert not same_greedy_prefix([2, 151, 783, 1154, 783], [2, 783, 1154, 783, 151], 4, eos=2)
+    assert same_greedy_prefix([2, 151, 783, 2, 1], [2, 151, 783, 2, 2], 4, eos=2)  # ended is ended
+    assert not same_greedy_prefix([2, 151, 2], [2, 151, 783, 2], 4, eos=2)
+    assert same_greedy_prefix([0, 5, 6, 7, 8, 9], [0, 5, 6, 7, 8, 4], 4, eos=1)  # Pegasus: start pad 0

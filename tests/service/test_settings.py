@@ -4,6 +4,8 @@ from the Settings fields (so a field added later is reachable too), and checked 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import typing
 from pathlib import Path
 
@@ -141,3 +143,58 @@ def test_default_models_are_found_in_the_working_directory_then_in_longdoc_model
 
 def test_every_setting_has_a_description_for_its_help():
     assert [name for name, field in Settings.model_fields.items() if not field.description] == []
+
+
+def test_start_up_log_names_the_folder_and_each_model_it_serves(tmp_path, tiny_qa_dir, tiny_classify_dir):
+    """Issue 25, defect 3: `longdoc serve` with no --model says which models folder it serves (a
+    user's ./models, not the installed longdoc-models) and every model in it; --model names each."""
+    import shutil
+
+    from tests.service.conftest import ServeProcess
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_qa_dir, work / "models" / "qa")
+    shutil.copytree(tiny_classify_dir, work / "models" / "myclassify")
+    with ServeProcess(["--log-level", "info", "--no-warmup"], tmp_path / "serve.log", cwd=work):
+        pass
+    log = (tmp_path / "serve.log").read_text()
+    assert f"serving models from {work / 'models'}: myclassify, qa\n" in log, log
+    with ServeProcess(["--log-level", "info", "--no-warmup", "--model", f"cls={tiny_classify_dir}"],
+                      tmp_path / "serve2.log", cwd=work):
+        pass
+    assert f"serving models from {tiny_classify_dir.parent}: cls={tiny_classify_dir.name}\n" in (
+        tmp_path / "serve2.log").read_text()
+
+
+def run_serve(args: list[str], cwd) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "longdoc", "serve", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, LONGDOC_THREADS="1"))
+
+
+def test_cuda_on_a_cpu_install_is_one_line_before_any_model_loads(tmp_path, tiny_qa_dir):
+    """Issue 25, defect 6: `--device cuda` without onnxruntime-gpu ended in a 38-line traceback."""
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this ONNX Runtime has CUDA")
+    run = run_serve(["--model", f"qa={tiny_qa_dir}", "--device", "cuda", "--port", "0"], tmp_path)
+    assert run.returncode == 1
+    assert run.stderr == ("longdoc serve: error: --device cuda: device='cuda' needs onnxruntime-gpu "
+                          "(CUDAExecutionProvider is not available); install longdoc[gpu] instead of longdoc[serve]\n")
+
+
+def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, tiny_qa_dir):
+    """Issue 25, defect 6: a port in use was reported only after every model had loaded and warmed up."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = run_serve(["--model", f"qa={tiny_qa_dir}", "--host", "127.0.0.1", "--port", str(port),
+                         "--log-level", "info"], tmp_path)
+    assert run.returncode == 1
+    assert f"longdoc serve: error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)\n" == run.stderr
+    assert run.stdout == ""  # no model loaded, nothing logged

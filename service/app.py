@@ -90,6 +90,7 @@ class Service:
         self.draining = False
         self.drain_deadline = float("inf")
         self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
+        self.in_flight = 0  # requests being served (streams until their last event), as logged at shutdown
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
         self.metrics.track_readiness(self.is_ready)  # longdoc_ready answers what /readyz answers
@@ -140,19 +141,28 @@ class Service:
             worker.warmup()
         return worker
 
-    def begin_drain(self) -> None:
-        """Shutdown begins (SIGTERM; called from the signal handler): not ready, no new requests;
-        the grace period starts now, and when it is over every request still running is answered
-        503 shutting_down by `serve` (streams get `event: error`)."""
-        if not self.draining:
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Shutdown begins (a signal; called from the signal handler): not ready, no new requests;
+        the grace period (`shutdown_grace_s` unless given) starts now, and when it is over every
+        request still running is answered 503 shutting_down by `serve` (streams get `event:
+        error`). A later call with a shorter grace brings its end forward (a second Ctrl-C: 0)."""
+        deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        first = not self.draining
+        if first or deadline < self.drain_deadline:
             self.draining = True
-            self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
+            self.drain_deadline = deadline
             self.metrics.refresh_ready()
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._arm_drain_timer)
+            if self.loop is not None:  # logged and timed on the loop, not in the signal handler
+                self.loop.call_soon_threadsafe(self._arm_drain_timer, first)
 
-    def _arm_drain_timer(self) -> None:
-        self.loop.call_later(max(0.0, self.drain_deadline - time.monotonic()), self.drain_expired.set)
+    def _arm_drain_timer(self, first: bool) -> None:
+        left = max(0.0, self.drain_deadline - time.monotonic())
+        if first:
+            log.warning("shutting down: draining %d requests for up to %.0f s (signal again to answer them "
+                        "503 now)", self.in_flight, left)
+        else:
+            log.warning("shutting down now: %d requests answered 503 shutting_down", self.in_flight)
+        self.loop.call_later(left, self.drain_expired.set)
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -468,6 +478,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             m.failures.labels(endpoint, ShuttingDown.reason).inc()
             return _error(ShuttingDown("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
+        service.in_flight += 1
         streaming = False  # a stream leaves in_flight when its last event is sent
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
@@ -520,6 +531,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                         timing.inference = time.monotonic() - first_event
                         record()
                         m.in_flight.labels(endpoint).dec()
+                        service.in_flight -= 1
 
                     response.on_end, streaming = stream_ended, True
                 else:
@@ -531,6 +543,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             grace_over.cancel()
             if not streaming:
                 m.in_flight.labels(endpoint).dec()
+                service.in_flight -= 1
 
     # ---- QA
     @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])

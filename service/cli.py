@@ -159,7 +159,14 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: /readyz says no at once, then drain
+        def handle_exit(self, sig, frame):
+            # the first SIGTERM/SIGINT: /readyz says no at once, then drain for the grace period. A
+            # second (Ctrl-C twice) ends the grace now: what is running is answered 503 shutting_down
+            # and the server stops as usual. (uvicorn's own second SIGINT, `force_exit`, cancels
+            # every request, answering each with its plain-text 500 and logging a traceback.)
+            if self.should_exit:
+                app.state.service.begin_drain(grace_s=0)
+                return
             app.state.service.begin_drain()
             super().handle_exit(sig, frame)
 

@@ -32,7 +32,7 @@ from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestStat
 from longdoc.service.batching import BatchingPolicy
 from longdoc.service.errors import (
     DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
-    Unavailable, UnsupportedMediaType,
+    Unavailable, UnsupportedMediaType, error_body,
 )
 from longdoc.service.metrics import Metrics, length_buckets, length_label
 from longdoc.service.settings import Settings, choose_default_models
@@ -158,8 +158,9 @@ class Service:
     def _arm_drain_timer(self, first: bool) -> None:
         left = max(0.0, self.drain_deadline - time.monotonic())
         if first:
-            log.warning("shutting down: draining %d requests for up to %.0f s (signal again to answer them "
-                        "503 now)", self.in_flight, left)
+            log.log(logging.WARNING if self.in_flight else logging.INFO,
+                    "shutting down: draining %d requests for up to %.0f s (signal again to answer them 503 now)",
+                    self.in_flight, left)
         else:
             log.warning("shutting down now: %d requests answered 503 shutting_down", self.in_flight)
         self.loop.call_later(left, self.drain_expired.set)
@@ -269,7 +270,7 @@ class MeasuredStream(StreamingResponse):
 
 
 def _error(exc: ServiceError) -> JSONResponse:
-    return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc), exc.status, headers=exc.headers)
 
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 413, 415, 422, 429, 503, 504)}
@@ -443,6 +444,10 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     async def _service_error(request: Request, exc: ServiceError):  # raised before serve() runs
         count_failure(request.url.path, exc)
         return _error(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception):  # Starlette's would be plain text
+        return _error(ServiceError("internal error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

@@ -175,8 +175,8 @@ def serve(args: argparse.Namespace) -> int:
     # and answers its plain-text 500 instead
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-                            access_log=False,
-                            http=limited_protocol(settings.header_timeout_s, settings.max_connections))
+                            access_log=False, proxy_headers=False,  # the client is the peer (docs/service.md)
+                            http=limited_protocol(settings))
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

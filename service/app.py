@@ -396,7 +396,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     # a request's strings and separators: its fields (a dozen keys and values) and documents
     app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents,
                        timeout_s=settings.body_timeout_s, max_bytes_in_flight=settings.max_body_bytes_in_flight)
-    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst)
+    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst,
+                           settings.auth_failures_per_s, settings.auth_failure_burst)
     if not access.enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach it may call it "
                     "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)

@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key")
     rate_limit_burst: int | None = Field(
         None, ge=1, description="requests one key may send at once; unset: the rate, rounded up")
+    auth_failures_per_s: float = Field(
+        1.0, gt=0, description="failed authentications per second per client address, after the burst; over "
+                               "it every keyed request from that client gets 429")
+    auth_failure_burst: int = Field(10, ge=1, description="failed authentications one client may make at once")
 
     # lifecycle
     warmup: bool = Field(True, description="run each worker once at the maximum length before /readyz says yes")

@@ -1,4 +1,4 @@
-"""The reliability battery (issues 12 and 29) against a real `longdoc serve` with default settings:
+"""The reliability battery (issues 12 and 29) against a real `longdoc serve` (settings: start_server):
 hostile inputs (/livez p99 and worst), 4x open-loop overload (admitted p99, Retry-After honesty,
 small requests beside a large one), a mixed soak (server RSS), an idle-connection flood (probes
 answered meanwhile), protocol errors and request smuggling (JSON, connection closed), SIGTERM under
@@ -71,9 +71,12 @@ def start_server(threads: int, log_path: Path, env: dict[str, str] | None = None
     port = free_port()
     models = [f"--model={task}={ROOT / 'models' / task}" for task in ("qa", "classify", "summarize")]
     # body timeout 15 s (default 60): the hostile part's slow upload (20 s) must meet it while it
-    # trickles; every other setting is the default
+    # trickles; queue 65536 tokens (default 262144): a 15 s overload on 2 cores fills it, and a
+    # request over 49152 tokens' cost is refused 413 (the default admits a 65536-token QA document,
+    # about 2x its tokens in half-overlapping windows); every other setting is the default
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--threads",
-                             str(threads), "--log-level", "warning", "--body-timeout-s", "15", *models],
+                             str(threads), "--log-level", "warning", "--body-timeout-s", "15",
+                             "--max-queue-tokens", "65536", *models],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env=dict(os.environ, **(env or {})))
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve (log: {log_path})")

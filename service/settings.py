@@ -55,9 +55,7 @@ class Settings(BaseSettings):
                                 f"and {GPU_MAX_BATCH_TOKENS} on cuda")
     max_batch_size: int = Field(32, ge=1, description="sequences per batch")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits to fill up")
-    max_queue_tokens: int = Field(
-        65536, ge=1, description="queued tokens per model before 429 (at 4x overload on 2 cores an admitted "
-                                 "request then waits about 10 s: docs/service.md)")
+    max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
     # the share of max_queue_tokens that only small requests may fill (docs/service.md, "Admission
     # and fairness"); a request over the rest is refused with 413
     small_request_share: float = Field(

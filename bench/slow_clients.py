@@ -32,7 +32,7 @@ def serve(port: int, overrides: dict) -> None:
     settings = Settings(models={"cls": "classify"}, port=port, **overrides)
     app = create_app(settings, worker_factory=lambda name, d, device, s: FakeWorker(name=name, task=str(d)))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error",
-                http=limited_protocol(settings.header_timeout_s, settings.max_connections))
+                http=limited_protocol(settings))
 
 
 def rss_mib(pid: int) -> float:

@@ -42,34 +42,55 @@ class TokenBucket:
     def __post_init__(self):
         self.tokens = self.burst
 
-    def take(self, now: float) -> float:
-        """0.0 when a request may go now (a token is spent), else the seconds until one may."""
+    def wait(self, now: float) -> float:
+        """Seconds until a request may go (0.0: now), spending nothing."""
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
-        if self.tokens >= 1.0:
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+
+    def take(self, now: float) -> float:
+        """0.0 when a request may go now (a token is spent), else the seconds until one may."""
+        wait = self.wait(now)
+        if wait == 0.0:
             self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
+        return wait
+
+    def full(self, now: float) -> bool:
+        return self.tokens + (now - self.updated) * self.rate >= self.burst
 
 
 class AccessControl:
-    """Who may call: `check(authorization_header, now)` returns the caller's key index or raises."""
+    """Who may call: `check(authorization_header, now, client)` returns the caller's key index or
+    raises. Failed authentications are limited per client (its address, as the connection caps
+    count it: service/connections.py): `failure_burst` at once, then `failures_per_s`; a client over
+    it gets 429 for every keyed request, its key unchecked, so that the answer says nothing about
+    a guess."""
 
-    def __init__(self, keys: list[str], rate_per_s: float | None = None, burst: int | None = None):
+    def __init__(self, keys: list[str], rate_per_s: float | None = None, burst: int | None = None,
+                 failures_per_s: float = 1.0, failure_burst: int = 10, max_clients: int = 10000):
         self.enabled = bool(keys)
         self._index = {_digest(k): i for i, k in enumerate(keys, 1)}  # digest -> 1-based key index
         self.rate_per_s = rate_per_s
         self.burst = float(burst if burst is not None else max(1, math.ceil(rate_per_s or 1)))
         self._buckets: dict[int, TokenBucket] = {}
+        self.failures_per_s, self.failure_burst = failures_per_s, float(failure_burst)
+        self.max_clients = max_clients  # past it, clients whose failure budget is full are forgotten
+        self._failures: dict[str, TokenBucket] = {}  # client -> its failed-authentication budget
 
-    def check(self, authorization: str | None, now: float) -> int | None:
+    def check(self, authorization: str | None, now: float, client: str = "") -> int | None:
         if not self.enabled:
             return None
+        failures = self._failures.get(client)
+        if failures is not None and (wait := failures.wait(now)) > 0:
+            raise RateLimited(f"too many failed authentications from this client (at most "
+                              f"{self.failures_per_s:g}/s after {self.failure_burst:g}); retry later",
+                              retry_after_s=max(1, math.ceil(wait)))
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        index = self._index.get(_digest(key.strip()))
+        index = self._index.get(_digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
         if index is None:
+            self._failed(client, now)
+            if scheme.lower() != "bearer" or not key.strip():
+                raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
             raise Unauthorized("invalid API key")
         if self.rate_per_s is not None:
             bucket = self._buckets.setdefault(index, TokenBucket(self.rate_per_s, self.burst))
@@ -78,6 +99,11 @@ class AccessControl:
                 raise RateLimited(f"rate limit of {self.rate_per_s:g} requests/s for this API key",
                                   retry_after_s=max(1, math.ceil(wait)))
         return index
+
+    def _failed(self, client: str, now: float) -> None:
+        if client not in self._failures and len(self._failures) >= self.max_clients:
+            self._failures = {c: b for c, b in self._failures.items() if not b.full(now)}
+        self._failures.setdefault(client, TokenBucket(self.failures_per_s, self.failure_burst)).take(now)
 
 
 class AccessMiddleware:
@@ -100,7 +126,8 @@ class AccessMiddleware:
                 authorization = value.decode("latin-1")
                 break
         try:
-            self.access.check(authorization, time.monotonic())
+            client = scope["client"][0] if scope.get("client") else ""
+            self.access.check(authorization, time.monotonic(), client)
         except ServiceError as exc:
             self.on_refused(scope["path"], exc)
             return await self.error_response(exc)(scope, receive, send)

@@ -32,7 +32,7 @@ from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestStat
 from longdoc.service.batching import BatchingPolicy
 from longdoc.service.errors import (
     DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
-    Unavailable, UnsupportedMediaType,
+    Unavailable, UnsupportedMediaType, error_body,
 )
 from longdoc.service.metrics import Metrics, length_buckets, length_label
 from longdoc.service.settings import Settings, choose_default_models
@@ -90,6 +90,7 @@ class Service:
         self.draining = False
         self.drain_deadline = float("inf")
         self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
+        self.in_flight = 0  # requests being served (streams until their last event), as logged at shutdown
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
                              settings.request_timeout_s, settings.max_request_timeout_s)
         self.metrics.track_readiness(self.is_ready)  # longdoc_ready answers what /readyz answers
@@ -140,19 +141,29 @@ class Service:
             worker.warmup()
         return worker
 
-    def begin_drain(self) -> None:
-        """Shutdown begins (SIGTERM; called from the signal handler): not ready, no new requests;
-        the grace period starts now, and when it is over every request still running is answered
-        503 shutting_down by `serve` (streams get `event: error`)."""
-        if not self.draining:
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Shutdown begins (a signal; called from the signal handler): not ready, no new requests;
+        the grace period (`shutdown_grace_s` unless given) starts now, and when it is over every
+        request still running is answered 503 shutting_down by `serve` (streams get `event:
+        error`). A later call with a shorter grace brings its end forward (a second Ctrl-C: 0)."""
+        deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        first = not self.draining
+        if first or deadline < self.drain_deadline:
             self.draining = True
-            self.drain_deadline = time.monotonic() + self.settings.shutdown_grace_s
+            self.drain_deadline = deadline
             self.metrics.refresh_ready()
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._arm_drain_timer)
+            if self.loop is not None:  # logged and timed on the loop, not in the signal handler
+                self.loop.call_soon_threadsafe(self._arm_drain_timer, first)
 
-    def _arm_drain_timer(self) -> None:
-        self.loop.call_later(max(0.0, self.drain_deadline - time.monotonic()), self.drain_expired.set)
+    def _arm_drain_timer(self, first: bool) -> None:
+        left = max(0.0, self.drain_deadline - time.monotonic())
+        if first:
+            log.log(logging.WARNING if self.in_flight else logging.INFO,
+                    "shutting down: draining %d requests for up to %.0f s (signal again to answer them 503 now)",
+                    self.in_flight, left)
+        else:
+            log.warning("shutting down now: %d requests answered 503 shutting_down", self.in_flight)
+        self.loop.call_later(left, self.drain_expired.set)
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -259,7 +270,7 @@ class MeasuredStream(StreamingResponse):
 
 
 def _error(exc: ServiceError) -> JSONResponse:
-    return JSONResponse({"error": {"type": exc.type, "message": exc.message}}, exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc), exc.status, headers=exc.headers)
 
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 413, 415, 422, 429, 503, 504)}
@@ -385,7 +396,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     # a request's strings and separators: its fields (a dozen keys and values) and documents
     app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit, max_json_tokens=64 + 4 * settings.max_documents,
                        timeout_s=settings.body_timeout_s, max_bytes_in_flight=settings.max_body_bytes_in_flight)
-    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst)
+    access = AccessControl(settings.all_api_keys(), settings.rate_limit_per_s, settings.rate_limit_burst,
+                           settings.auth_failures_per_s, settings.auth_failure_burst)
     if not access.enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach it may call it "
                     "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)
@@ -434,6 +446,10 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         count_failure(request.url.path, exc)
         return _error(exc)
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception):  # Starlette's would be plain text
+        return _error(ServiceError("internal error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         parts = []
@@ -468,6 +484,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             m.failures.labels(endpoint, ShuttingDown.reason).inc()
             return _error(ShuttingDown("server is shutting down"))
         m.in_flight.labels(endpoint).inc()
+        service.in_flight += 1
         streaming = False  # a stream leaves in_flight when its last event is sent
         state = RequestState(deadline=float("inf"))
         task = asyncio.ensure_future(work(state, timing))
@@ -520,6 +537,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                         timing.inference = time.monotonic() - first_event
                         record()
                         m.in_flight.labels(endpoint).dec()
+                        service.in_flight -= 1
 
                     response.on_end, streaming = stream_ended, True
                 else:
@@ -531,6 +549,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             grace_over.cancel()
             if not streaming:
                 m.in_flight.labels(endpoint).dec()
+                service.in_flight -= 1
 
     # ---- QA
     @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])

@@ -181,7 +181,14 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: /readyz says no at once, then drain
+        def handle_exit(self, sig, frame):
+            # the first SIGTERM/SIGINT: /readyz says no at once, then drain for the grace period. A
+            # second (Ctrl-C twice) ends the grace now: what is running is answered 503 shutting_down
+            # and the server stops as usual. (uvicorn's own second SIGINT, `force_exit`, cancels
+            # every request, answering each with its plain-text 500 and logging a traceback.)
+            if self.should_exit:
+                app.state.service.begin_drain(grace_s=0)
+                return
             app.state.service.begin_drain()
             super().handle_exit(sig, frame)
 
@@ -190,8 +197,8 @@ def serve(args: argparse.Namespace) -> int:
     # and answers its plain-text 500 instead
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-                            access_log=False,
-                            http=limited_protocol(settings.header_timeout_s, settings.max_connections))
+                            access_log=False, proxy_headers=False,  # the client is the peer (docs/service.md)
+                            http=limited_protocol(settings))
     server = Server(config)
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

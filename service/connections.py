@@ -1,50 +1,180 @@
-"""Connection-level limits that uvicorn lacks, as its HTTP/1.1 (h11) protocol with two additions:
+"""The connection and protocol layer: uvicorn's HTTP/1.1 (h11) protocol with what it lacks.
 
-- a header timeout: a connection must deliver a whole request line and headers within
+- A header timeout: a connection must deliver a whole request line and headers within
   `header_timeout_s` of opening (or of its previous response); else 408 and close. uvicorn's
   `timeout_keep_alive` runs only between requests, so a client sending headers a byte at a time
   held a connection for as long as it liked.
-- a connection cap: over `max_connections` open connections a new one is answered 503 and closed
-  at once. (uvicorn's `limit_concurrency` counts the same, but only once a request's headers are in,
-  which slow-header connections never reach, and answers in plain text.)
+- Connection caps that one client cannot use up for the others. A client (the peer's IP address:
+  behind a proxy, the proxy) holds at most `max_connections_per_client` connections, and all
+  clients together `max_connections`. Over either, a new connection closes the oldest *idle*
+  connection (no request in progress: headers still arriving, or kept alive between requests) of
+  that client, or, over the total, of the client holding the most connections; only when none is
+  idle is the new one refused (503). So a flood of idle or dribbling connections only displaces
+  itself, and a health probe, whose headers arrive at once, still gets in. (uvicorn's
+  `limit_concurrency` counts only once a request's headers are in, which slow-header connections
+  never reach, treats all clients alike, and answers in plain text.)
+- Framing that cannot be ambiguous (RFC 9112 section 6.1): a request with both Content-Length and
+  Transfer-Encoding, or Transfer-Encoding on HTTP/1.0, is refused and its connection closed, so
+  bytes after its body are never read as a second request (request smuggling behind a proxy that
+  frames by Content-Length). h11 itself refuses differing Content-Lengths (identical duplicates it
+  merges, as RFC 9110 section 8.6 allows), any transfer coding but chunked, and malformed lengths,
+  header lines and chunk sizes.
+- Every answer in the service's error shape: protocol errors (uvicorn writes a plain-text 400) and a
+  request that uvicorn cancels at the end of its shutdown timeout before any response (uvicorn
+  writes a plain-text 500) get JSON.
 
-Refusals use the service's error shape. The body read timeout and the cap on body bytes in flight
-are ASGI-level (longdoc.service.app.BodyLimitMiddleware).
+The body read timeout and the cap on body bytes in flight are ASGI-level
+(longdoc.service.app.BodyLimitMiddleware).
 """
 
 from __future__ import annotations
 
+import asyncio
+import http
 import json
 
 import h11
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from longdoc.service.errors import (
+    MalformedRequest, RequestTimeout, ServiceError, ShuttingDown, Unavailable, error_body,
+)
 
-def raw_error(status: int, reason: str, type_: str, message: str, headers: dict[str, str] | None = None) -> bytes:
-    """A whole HTTP/1.1 error response in the error shape, written before any request was parsed."""
-    body = json.dumps({"error": {"type": type_, "message": message}}).encode()
-    head = {"content-type": "application/json", "content-length": str(len(body)), "connection": "close",
-            **(headers or {})}
-    lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in head.items())]
+
+def raw_error(exc: ServiceError, close: bool = True) -> bytes:
+    """A whole HTTP/1.1 error response in the error shape, written outside any ASGI app."""
+    body = json.dumps(error_body(exc)).encode()
+    head = {"content-type": "application/json", "content-length": str(len(body)), **exc.headers}
+    if close:
+        head["connection"] = "close"
+    lines = [f"HTTP/1.1 {exc.status} {http.HTTPStatus(exc.status).phrase}", *(f"{k}: {v}" for k, v in head.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with a header timeout and a connection cap
-    (`uvicorn.Config(http=limited_protocol(...))`)."""
+def framing_ambiguity(request: h11.Request) -> str | None:
+    """Why the request's body framing is ambiguous (RFC 9112 section 6.1), or None."""
+    names = {name.lower() for name, _ in request.headers}
+    if b"transfer-encoding" in names:
+        if b"content-length" in names:
+            return "both Content-Length and Transfer-Encoding: send one"
+        if request.http_version == b"1.0":
+            return "Transfer-Encoding in an HTTP/1.0 request"
+    return None
+
+
+class StrictConnection(h11.Connection):
+    """h11's connection that also refuses ambiguous framing, and keeps the protocol error it
+    raised (`error`) so that the answer can say what it was, with h11's status."""
+
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.error = exc
+            raise
+        if isinstance(event, h11.Request) and (why := framing_ambiguity(event)) is not None:
+            self.error = h11.RemoteProtocolError(why, error_status_hint=400)
+            raise self.error
+        return event
+
+
+def answers_cancelled(app):
+    """`app`, but a request cancelled by uvicorn (at the end of its shutdown timeout) before its
+    response began is answered 503 shutting_down rather than uvicorn's plain-text 500."""
+
+    async def guarded(scope, receive, send):
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if scope["type"] != "http" or started:
+                raise
+            body = json.dumps(error_body(ShuttingDown("server is shutting down; retry"))).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+
+    return guarded
+
+
+def limited_protocol(settings) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with the additions above, for `uvicorn.Config(http=...)`, from
+    the service's Settings. One class per server: it holds that server's connections by client."""
+    header_timeout_s, max_connections = settings.header_timeout_s, settings.max_connections
+    per_client = settings.max_connections_per_client
+    by_client: dict[str, dict[H11Protocol, None]] = {}  # client -> its connections, oldest first
+
+    def evict_idle(connections: dict[H11Protocol, None], why: str) -> bool:
+        """Close the oldest idle one of `connections`; False if none is idle."""
+        for old in connections:
+            if old.idle():
+                old.close_with(Unavailable(why, {"Retry-After": "1"}))
+                return True
+        return False
 
     class LimitedH11Protocol(H11Protocol):
         header_timer = None
+        group: dict | None = None  # this connection's entry in by_client, while it counts
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.max_head_bytes = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+            self.conn = StrictConnection(h11.SERVER, self.max_head_bytes)
+            self.app = answers_cancelled(self.app)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.write(raw_error(503, "Service Unavailable", "unavailable",
-                                          f"over {max_connections} open connections; retry later",
-                                          {"retry-after": "1"}))
-                transport.close()
-                return
+            self.group = by_client.setdefault(self.client[0] if self.client else "", {})
+            self.group[self] = None
+            if len(self.group) > per_client and not evict_idle(
+                    self.group, f"closed: over {per_client} open connections from this client"):
+                return self.close_with(Unavailable(
+                    f"over {per_client} open connections from this client, none idle; retry later",
+                    {"Retry-After": "1"}))
+            if sum(map(len, by_client.values())) > max_connections and not any(
+                    evict_idle(group, f"closed: over {max_connections} open connections")
+                    for group in sorted(by_client.values(), key=len, reverse=True)):
+                return self.close_with(Unavailable(
+                    f"over {max_connections} open connections, none idle; retry later", {"Retry-After": "1"}))
             self._arm_header_timer()
+
+        def idle(self) -> bool:
+            """No request in progress: its headers are still arriving, or none has begun."""
+            return (not self.transport.is_closing() and self.conn.their_state is h11.IDLE
+                    and (self.cycle is None or self.cycle.response_complete))
+
+        def close_with(self, exc: ServiceError) -> None:
+            """Answer `exc` (unless a response has begun) and close; it counts no more at once."""
+            self._forget()
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and not self.transport.is_closing():
+                self.transport.write(raw_error(exc))
+            self.transport.close()
+
+        def _forget(self) -> None:
+            self._cancel_header_timer()
+            if self.group is not None:
+                self.group.pop(self, None)
+                if not self.group:
+                    by_client.pop(self.client[0] if self.client else "", None)
+                self.group = None
+
+        def send_400_response(self, msg: str) -> None:
+            """A protocol error (uvicorn's `msg` is always "Invalid HTTP request received.")."""
+            error = self.conn.error
+            status = error.error_status_hint if error is not None else 400
+            what = str(error)[:200] if error is not None else "invalid HTTP request"  # h11's words
+            if status == 431:  # h11: "Receive buffer too long"
+                what = f"request line and headers over {self.max_head_bytes} bytes"
+            self.close_with(MalformedRequest(f"malformed HTTP request: {what}", status))
 
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()
@@ -58,9 +188,7 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def _header_timeout(self) -> None:
             self.header_timer = None
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self.transport.write(raw_error(408, "Request Timeout", "request_timeout",
-                                               f"request headers not received within {header_timeout_s:g} s"))
-                self.transport.close()
+                self.close_with(RequestTimeout(f"request headers not received within {header_timeout_s:g} s"))
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -74,7 +202,7 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
-            self._cancel_header_timer()
+            self._forget()
             super().connection_lost(exc)
 
     return LimitedH11Protocol

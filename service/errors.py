@@ -15,6 +15,23 @@ class ServiceError(Exception):
         self.headers = headers or {}
 
 
+def error_body(exc: ServiceError) -> dict:
+    """The one error shape."""
+    return {"error": {"type": exc.type, "message": exc.message}}
+
+
+class MalformedRequest(ServiceError):
+    """The HTTP message itself is malformed or its framing ambiguous (service/connections.py):
+    answered, then the connection is closed. `status` is h11's hint: 400, 431 for headers over the
+    limit, 501 for a transfer coding other than chunked."""
+
+    status, type, reason = 400, "malformed_request", "malformed"
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
 class InvalidRequest(ServiceError):
     status, type, reason = 422, "invalid_request", "validation"
 

@@ -75,7 +75,12 @@ class Settings(BaseSettings):
     # slow or huge uploads (service/connections.py, longdoc.service.app.BodyLimitMiddleware)
     header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
     body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
-    max_connections: int = Field(512, ge=1, description="open connections; over it a new one gets 503")
+    max_connections: int = Field(
+        512, ge=1, description="open connections; over it a new one closes the oldest idle connection of the "
+                               "client holding the most, or gets 503 when none is idle")
+    max_connections_per_client: int = Field(
+        128, ge=1, description="open connections from one client address (behind a proxy: the proxy's); over it "
+                               "a new one closes that client's oldest idle connection, or gets 503 when none is idle")
     max_body_bytes_in_flight: int = Field(
         256 * 2**20, ge=1, description="request body bytes buffered by all unanswered requests; over it 503")
 
@@ -92,6 +97,10 @@ class Settings(BaseSettings):
     rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key")
     rate_limit_burst: int | None = Field(
         None, ge=1, description="requests one key may send at once; unset: the rate, rounded up")
+    auth_failures_per_s: float = Field(
+        1.0, gt=0, description="failed authentications per second per client address, after the burst; over "
+                               "it every keyed request from that client gets 429")
+    auth_failure_burst: int = Field(10, ge=1, description="failed authentications one client may make at once")
 
     # lifecycle
     warmup: bool = Field(True, description="run each worker once at the maximum length before /readyz says yes")

@@ -135,8 +135,8 @@ class ThreadServer:
         self.app = create_app(settings, worker_factory=worker_factory)
         self.port = free_port()
         # the connection limits `longdoc serve` runs with (service/connections.py)
-        http = limited_protocol(settings.header_timeout_s, settings.max_connections)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, http=http,
+        http = limited_protocol(settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, http=http, proxy_headers=False,
                                                     log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"

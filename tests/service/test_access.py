@@ -153,3 +153,41 @@ def test_serve_flags(tmp_path):
                                               "--rate-limit-per-s", "5", "--rate-limit-burst", "10"]))
     assert (s.api_key_file, s.rate_limit_per_s, s.rate_limit_burst) == (tmp_path / "keys", 5.0, 10)
     assert s.all_api_keys() == [KEY]
+
+
+def test_failed_authentication_is_throttled_per_client_with_429_and_retry_after():
+    """40 wrong keys in a row (issue 29, item 5): the first `auth_failure_burst` (10) get 401, then
+    429 with Retry-After; while throttled the client's keys are not even checked (so the 429s
+    say nothing about a guess, a right one included). Another client is not affected."""
+    import httpx
+
+    async def go():
+        async with running_app(api_keys=[KEY]) as c:
+            guesses = [await c.post("/v1/classify", json=DOC, headers=bearer(f"sk-guess-{i}")) for i in range(40)]
+            right_one = await c.post("/v1/classify", json=DOC, headers=bearer(KEY))
+            transport = httpx.ASGITransport(app=c.app, client=("127.0.0.2", 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as other:
+                elsewhere = await other.post("/v1/classify", json=DOC, headers=bearer(KEY))
+            metrics = (await c.get("/metrics")).text
+            return guesses, right_one, elsewhere, metrics
+
+    guesses, right_one, elsewhere, metrics = run(go())
+    for r in guesses[:10]:
+        assert_error(r, 401, "unauthorized")
+    for r in guesses[10:] + [right_one]:
+        assert_error(r, 429, "rate_limited")
+        assert "failed authentications from this client" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["retry-after"]) <= 2  # one failure a second refills
+    assert elsewhere.status_code == 200, elsewhere.text
+    assert 'longdoc_request_failures_total{endpoint="classify",reason="rate_limited"} 31.0' in metrics
+
+
+def test_the_failure_throttle_forgets_clients_whose_budget_is_full():
+    from longdoc.service.access import AccessControl
+    from longdoc.service.errors import Unauthorized
+
+    access = AccessControl([KEY], failures_per_s=1.0, failure_burst=2, max_clients=100)
+    for i in range(300):  # 300 clients, one failure each, a second apart: all refilled but the last
+        with pytest.raises(Unauthorized):
+            access.check("Bearer nope", float(i), client=f"10.0.{i // 256}.{i % 256}")
+    assert len(access._failures) <= 101

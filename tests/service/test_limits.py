@@ -79,19 +79,34 @@ def test_keep_alive_requests_and_slow_answers_are_not_cut_by_the_header_timeout(
         assert status == 200, answer
 
 
-def test_connections_over_the_cap_get_503():
+def test_over_the_cap_an_idle_connection_makes_room_and_busy_ones_refuse_the_new_one():
     with server(max_connections=2) as srv:
-        held = [connect(srv), connect(srv)]
-        for s in held:  # each is registered once it has been answered
+        idle = [connect(srv), connect(srv)]
+        for s in idle:  # kept alive after an answer: idle
             s.sendall(GET_LIVEZ)
             assert read_response(s)[0] == 200
+        with connect(srv) as third:  # the oldest idle one is closed for it
+            status, headers, body = read_response(idle[0])
+            assert_error(status, body, 503, "unavailable")
+            assert headers["retry-after"] == "1" and closed(idle[0])
+            third.sendall(GET_LIVEZ)
+            assert read_response(third)[0] == 200
+            idle[1].sendall(GET_LIVEZ)
+            assert read_response(idle[1])[0] == 200
+        for s in idle:
+            s.close()
+    with server(max_connections=2) as srv:
+        busy = [connect(srv), connect(srv)]
+        for s in busy:  # a request under way: the 100 Continue says its headers are in
+            s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"expect: 100-continue\r\ncontent-length: 100\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 100 ")
+            s.sendall(b"{")
         with connect(srv) as third:
             status, headers, body = read_response(third)
             assert_error(status, body, 503, "unavailable")
             assert headers["retry-after"] == "1" and closed(third)
-        for s in held:  # the held ones still work
-            s.sendall(GET_LIVEZ)
-            assert read_response(s)[0] == 200
+        for s in busy:
             s.close()
 
 

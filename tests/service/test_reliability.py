@@ -386,3 +386,71 @@ def test_a_client_gone_during_a_streamed_beam_search_stops_it(beam_server):
     after = httpx.post(s.url + "/v1/summarize", json={"document": "w1"}, timeout=10)  # runs after the beam search
     assert after.status_code == 200
     assert len(s.worker.steps) < 10  # stopped between steps, not decoded to 60 tokens
+
+
+def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_dir, tiny_summarize_dir, tmp_path):
+    """Ctrl-C twice (issue 29, item 1): the first press logs what is draining and for how long;
+    the second ends the 60 s grace at once. Every request still running is answered 503
+    shutting_down in the error shape (a stream: `event: error`), never uvicorn's plain-text 500
+    of a forced exit, no traceback is logged, and the process exits 0 long before the grace."""
+    import signal
+
+    import httpx
+
+    from tests.service.conftest import ServeProcess
+    from tests.service.test_e2e import metric, text_of
+
+    args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
+            "--shutdown-grace-s", "60", "--max-queue-tokens", "100000000"]
+    log_path = tmp_path / "serve.log"
+    with ServeProcess(args, log_path, env={"LONGDOC_MAX_DECODE_BATCH": "1"}) as s:
+        docs = [text_of(3000, seed=i) for i in range(16)]
+        qa, streams = {}, {}
+
+        def ask(i):
+            qa[i] = httpx.post(s.url + "/v1/qa", json={"question": "where is the gold", "documents": docs},
+                               timeout=90)
+
+        def summarize(i):
+            with httpx.stream("POST", s.url + "/v1/summarize", timeout=90,
+                              json={"document": text_of(400, seed=i), "stream": True, "max_new_tokens": 500}) as r:
+                streams[i] = (r.status_code, r.headers["content-type"],
+                              sse_events(r.iter_lines()) if r.status_code == 200 else json.loads(r.read()))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        threads += [threading.Thread(target=summarize, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while (metric(s.url, 'longdoc_in_flight_requests{endpoint="qa"}') < 8
+               or metric(s.url, 'longdoc_in_flight_requests{endpoint="summarize"}') < 4):
+            assert time.monotonic() < deadline, "requests did not get in flight"
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "draining" not in log_path.read_text():  # the first press was handled
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        sent = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(90)
+        assert s.proc.wait(30) == 0
+        exited = time.monotonic() - sent
+    log = log_path.read_text()
+    assert "draining 12 requests for up to 60 s" in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    codes = [r.status_code for r in qa.values()]
+    assert len(codes) == 8 and set(codes) <= {200, 503} and 503 in codes, [(r.status_code, r.text) for r in qa.values()]
+    for r in qa.values():
+        if r.status_code == 503:
+            assert r.json()["error"]["type"] == "shutting_down", r.text
+    assert len(streams) == 4
+    for status, ctype, body in streams.values():
+        if status == 503:
+            assert ctype == "application/json" and body["error"]["type"] == "shutting_down", body
+            continue
+        assert status == 200 and body[-1][0] in ("done", "error"), body[-3:]
+        if body[-1][0] == "error":
+            assert body[-1][1]["error"]["type"] == "shutting_down"
+    assert exited < 15, exited  # not the 60 s grace

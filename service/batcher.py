@@ -73,11 +73,19 @@ class WorkerSlot:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{index}")
+        self._aside: ThreadPoolExecutor | None = None  # a second thread, for work that overlaps (call_aside)
         self.healthy = True
         self.next_attempt = 0.0  # monotonic time of the next restart attempt, while not healthy
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def call_aside(self, fn, *args):
+        """`fn` on the slot's second thread, beside whatever `call` runs (a worker whose
+        `overlaps_encoding` is true encodes there while its decoder steps go on)."""
+        if self._aside is None:
+            self._aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{self.index}-aside")
+        return await asyncio.get_running_loop().run_in_executor(self._aside, fn, *args)
 
     def retry_after(self) -> int:
         """Whole seconds until the next restart attempt (at least 1), for Retry-After."""
@@ -116,6 +124,8 @@ class WorkerSlot:
             self.worker.close()
         finally:
             self.executor.shutdown(wait=False, cancel_futures=True)
+            if self._aside is not None:
+                self._aside.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(eq=False)
@@ -362,6 +372,8 @@ class DecodeScheduler:
         self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.pending: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
+        self._joining: list[DecodeJob] = []  # being encoded beside the steps (a worker that overlaps_encoding)
+        self._encoding: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.draining = False
@@ -424,19 +436,25 @@ class DecodeScheduler:
 
     async def _loop(self) -> None:
         while True:
-            if not self.pending and not self.running:
-                self._wake.clear()
+            self._wake.clear()
+            if not (self.pending or self.running or self._encoding):
                 await self._wake.wait()
                 continue
             try:
+                self._join_encoded()
                 await self._admit()
                 if self.running:
                     await self._step()
+                elif self._encoding is not None and not self._encoding.done():
+                    await self._wake.wait()  # nothing to step until the encoder (or a new request) is done
             except Exception as exc:  # the worker failed: everyone in flight gets 503
                 log.exception("decoder worker of %s failed", self.model)
-                for job in self.running:
-                    self._finish(job, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
-                self.running = []
+                failed = Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry")
+                if self._encoding is not None:
+                    self._encoding.cancel()
+                for job in self.running + self._joining:
+                    self._finish(job, failed)
+                self.running, self._joining, self._encoding = [], [], None
                 self.slot.mark_down()
                 error = worker_down(self.model, self.slots)
                 for job in self.pending:  # nobody can run them until the restart: answer them now
@@ -444,6 +462,28 @@ class DecodeScheduler:
                 self.pending = []
                 self._gauges()
                 await self.slot.restart(self.metrics, self.model)
+
+    def _join_encoded(self) -> None:
+        """The group encoded beside the steps joins the running batch (or its failure is raised)."""
+        if self._encoding is not None and self._encoding.done():
+            task, self._encoding = self._encoding, None
+            joined, self._joining = self._joining, []
+            if task.exception() is not None:
+                exc = task.exception()
+                for j in joined:
+                    self._finish(j, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
+                raise exc
+            self.running.extend(joined)
+
+    async def _encode(self, joining: list[DecodeJob]) -> None:
+        states = await self.slot.call_aside(self.slot.worker.begin, [j.input_ids for j in joining])
+        self._started(joining, states)
+
+    def _started(self, joining: list[DecodeJob], states: list) -> None:
+        self.metrics.input_tokens.labels(self.model, self.endpoint).inc(sum(len(j.input_ids) for j in joining))
+        now = time.monotonic()
+        for j, s in zip(joining, states):
+            j.state, j.sequence, j.started = s, [j.settings.decoder_start_token_id], now
 
     async def _admit(self) -> None:
         # drop requests that ended while queued
@@ -453,6 +493,8 @@ class DecodeScheduler:
         room = self.max_decode_batch - len(self.running)
         if room <= 0 or not self.pending:
             self._gauges()
+            return
+        if self._encoding is not None:  # one group is encoded at a time
             return
         head = self.pending[0]
         if head.settings.num_beams > 1:  # beam search runs alone and whole, in FIFO order:
@@ -484,16 +526,18 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._left_queue(sum(len(j.input_ids) for j in joining))
+        if getattr(self.slot.worker, "overlaps_encoding", False):  # encode beside the running batch's steps
+            self._joining = joining
+            self._encoding = asyncio.create_task(self._encode(joining), name=f"encoder-{self.model}")
+            self._encoding.add_done_callback(lambda _: self._wake.set())
+            return
         try:
             states = await self.slot.call(self.slot.worker.begin, [j.input_ids for j in joining])
         except Exception as exc:
             for j in joining:
                 self._finish(j, Unavailable(f"model {self.model}: worker failed ({type(exc).__name__}); retry"))
             raise
-        self.metrics.input_tokens.labels(self.model, self.endpoint).inc(sum(len(j.input_ids) for j in joining))
-        now = time.monotonic()
-        for j, s in zip(joining, states):
-            j.state, j.sequence, j.started = s, [j.settings.decoder_start_token_id], now
+        self._started(joining, states)
         self.running.extend(joining)
 
     async def _step(self) -> None:
@@ -529,12 +573,14 @@ class DecodeScheduler:
     async def drain(self, grace_s: float) -> None:
         self.draining = True
         end = time.monotonic() + grace_s
-        while (self.pending or self.running) and time.monotonic() < end:
+        while (self.pending or self.running or self._joining) and time.monotonic() < end:
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:
         if self._loop_task:
             self._loop_task.cancel()
-        for job in self.pending + self.running:
+        if self._encoding is not None:
+            self._encoding.cancel()
+        for job in self.pending + self.running + self._joining:
             self._finish(job, Unavailable("server shutting down"))
         self.slot.close()

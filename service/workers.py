@@ -107,6 +107,8 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
 class OnnxWorker:
     """ONNX Runtime on the CPU execution provider; threads = intra-op threads (None: ORT's choice)."""
 
+    overlaps_encoding = False  # see CudaWorker
+
     def __init__(self, name: str, directory: Path, device: str = "cpu", threads: int | None = None,
                  max_batch_tokens: int = 16384):
         from longdoc.export.runtime import OnnxModel  # torch-free
@@ -408,6 +410,11 @@ class DeviceDecoder:
 
 
 class CudaWorker(OnnxWorker):
+    # a summarizer's newcomers are encoded on a second thread while the running batch's decoder
+    # steps go on (service/batcher.py): on a GPU the two share the device well (small decoder
+    # kernels leave it mostly idle); on the CPU both would compete for the same cores
+    overlaps_encoding = True
+
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
     hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). A summarizer's decode

@@ -8,6 +8,7 @@ model's own one-sequence decoder step, and the scheduler's tokens are the refere
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.metrics import Metrics
 from longdoc.service.regroup import Regroup, concat_graph, take_graph
-from longdoc.service.workers import OnnxWorker
+from longdoc.service.workers import FakeWorker, OnnxWorker
 from tests.service.test_decode_parity import document_ids, reference, text_of
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
 
@@ -142,10 +143,13 @@ def test_a_batch_mostly_gone_is_compacted(summarizer):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
-def test_scheduler_tokens_are_the_reference_searchs(summarizer):
+@pytest.mark.parametrize("overlap", [False, True], ids=["encode-then-step", "encode-beside-steps"])
+def test_scheduler_tokens_are_the_reference_searchs(summarizer, overlap):
     """Greedy requests joining the running batch at different steps and one beam search among them:
-    every answer is `OnnxModel.generate`'s, and the batch's device state is freed at the end."""
+    every answer is `OnnxModel.generate`'s, and the batch's device state is freed at the end; also
+    when newcomers are encoded on the second thread while the batch steps (as on a GPU)."""
     worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker.overlaps_encoding = overlap
     model = worker.model
     docs = [document_ids(model, text_of(n, seed)) for n, seed in ((200, 1), (40, 2), (120, 3), (90, 4))]
     requests = [dict(max_new_tokens=20, min_length=16), dict(max_new_tokens=10), dict(max_new_tokens=14),
@@ -173,3 +177,62 @@ def test_scheduler_tokens_are_the_reference_searchs(summarizer):
 
     assert asyncio.run(go()) == want
     assert worker.decoder._batch is None and worker.decoder.regroups >= 2
+
+
+class HeldEncoder(FakeWorker):
+    """A summarizer whose second `begin` waits for `hold`, with `held` set once it waits."""
+
+    overlaps_encoding = True
+
+    def __init__(self, **kwargs):
+        super().__init__(task="summarize", **kwargs)
+        self.hold, self.held, self.begins = threading.Event(), threading.Event(), 0
+
+    def begin(self, input_ids):
+        self.begins += 1
+        if self.begins == 2:
+            self.held.set()
+            assert self.hold.wait(30), "the test never released the encoder"
+        return super().begin(input_ids)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_batch_steps_while_a_newcomer_is_encoded(overlap):
+    """A worker that overlaps encoding: while a newcomer's encoder is held, the running sequence
+    still gets every token to its end; the newcomer then joins and finishes. Without the overlap
+    (the CPU worker's way) the running sequence waits for the encoder."""
+    worker = HeldEncoder(summary_tokens=6)
+    worker.overlaps_encoding = overlap
+    ids = [worker.tokenizer.token_to_id(w) for w in ("gold", "good", "bad", "the", "is", "where", "what")]
+    settings = resolve_settings(worker.info.generation, max_new_tokens=8)
+
+    async def go():
+        scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
+                                    max_queue_tokens=1 << 20, endpoint="summarize")
+        scheduler.start()
+        state = RequestState(deadline=time.monotonic() + 60)
+        try:
+            first = (await scheduler.submit(ids, settings, state)).__aiter__()
+            head = [await first.__anext__()]
+            second = await scheduler.submit(ids[::-1], settings, state)
+            assert await asyncio.to_thread(worker.held.wait, 30)
+
+            async def rest(stream):
+                return [t async for t in stream]
+
+            try:
+                tail = await asyncio.wait_for(rest(first), 5)
+            except TimeoutError:
+                tail = None
+            worker.hold.set()
+            return head, tail, await rest(second)
+        finally:
+            worker.hold.set()
+            await scheduler.close()
+
+    head, tail, second = asyncio.run(go())
+    assert second == [t for t in ids[::-1] if t > 6][:6]
+    if overlap:
+        assert head + tail == [t for t in ids if t > 6][:6]
+    else:
+        assert tail is None  # held behind the encoder

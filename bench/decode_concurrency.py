@@ -10,9 +10,12 @@ fp32 by a real `longdoc serve`; every request asks for 32 new tokens (the eos lo
     alone       one client, 32-token requests, closed loop
     8 clients   clients starting 0.15 s apart, each closed loop, 32-token requests
 
-Prints a table, writes --out/decode_concurrency.json and decode_concurrency.png.
+Prints a table, writes --out/decode_concurrency-LABEL.json and .png. To measure another
+checkout's code (the one before a change, say), give its venv's interpreter as --server-python.
 
-    .venv/bin/python bench/decode_concurrency.py --work /tmp/decode-bench --out docs
+    .venv/bin/python bench/decode_concurrency.py --work /tmp/decode-bench --out docs/decode --label device-state
+    .venv/bin/python bench/decode_concurrency.py --work /tmp/decode-bench --out docs/decode --label before \
+        --server-python /tmp/basevenv/bin/python
 """
 
 from __future__ import annotations
@@ -99,7 +102,11 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=0.15, help="seconds between client starts (default: 0.15)")
     p.add_argument("--requests", type=int, default=32, help="requests of the concurrent run (default: 32)")
     p.add_argument("--alone", type=int, default=6, help="requests of the one-client run (default: 6)")
-    p.add_argument("--label", default="", help="a name for this run in the JSON (default: none)")
+    p.add_argument("--label", default="this", help="names the run: --out gets decode_concurrency-LABEL.json/.png "
+                   "(default: this)")
+    p.add_argument("--server-python", default=sys.executable,
+                   help="the interpreter that runs `longdoc serve`: another checkout's venv measures that code "
+                        "(default: this interpreter)")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(a.work)
@@ -107,7 +114,7 @@ def main() -> int:
 
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     docs = [load.make_document(tok, a.tokens - 1, seed) for seed in range(8)]
-    proc, url = load.start_server(str(model_dir), batching=True, threads=None, extra=[])
+    proc, url = load.start_server(str(model_dir), batching=True, threads=None, extra=[], python=a.server_python)
     try:
         log("warm-up")
         asyncio.run(clients(url, docs, 2, 2, 0.0, 2))
@@ -134,7 +141,7 @@ def main() -> int:
           f"{many['rps'] / bound:.0%} |")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "decode_concurrency.json").write_text(json.dumps(result, indent=1) + "\n")
+        (a.out / f"decode_concurrency-{a.label}.json").write_text(json.dumps(result, indent=1) + "\n")
         import matplotlib
 
         matplotlib.use("Agg")
@@ -146,7 +153,7 @@ def main() -> int:
         ax.set_ylabel("requests/s")
         ax.set_title(f"32-token summaries of {a.tokens}-token documents, CPU")
         fig.tight_layout()
-        fig.savefig(a.out / "decode_concurrency.png", dpi=110)
+        fig.savefig(a.out / f"decode_concurrency-{a.label}.png", dpi=110)
     return 0
 
 

@@ -51,9 +51,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, batching: bool, threads: int | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, batching: bool, threads: int | None, extra: list[str],
+                 python: str = sys.executable) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "longdoc", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [python, "-m", "longdoc", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", f"bench={model_dir}", "--log-level", "warning", *extra]
     if threads:
         cmd += ["--threads", str(threads)]

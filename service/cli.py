@@ -144,7 +144,8 @@ def check_models(settings) -> None:
     choose_default_models(settings.default_models, tasks)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, worker_factory=None) -> int:
+    """`worker_factory`: create_app's (benchmarks serve a null engine through this same path)."""
     import logging
     import signal
 
@@ -156,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = build_settings(args)
     check_models(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    app = create_app(settings, worker_factory)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: /readyz says no at once, then drain

@@ -87,6 +87,9 @@ def fake_factory(restarts_fail: bool = False, **per_task):
 
 @contextlib.asynccontextmanager
 async def running_app(factory=None, **overrides):
+    """The app in-process (httpx's ASGI transport), host work in threads unless `host_processes`
+    says otherwise (tests patch the host functions of this process)."""
+    overrides.setdefault("host_processes", 0)
     settings = Settings(models=overrides.pop("models", {"qa": "qa", "cls": "classify", "sum": "summarize"}),
                         **overrides)
     app = create_app(settings, worker_factory=factory or fake_factory())

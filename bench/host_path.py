@@ -48,8 +48,11 @@ DEFAULT_MODES = ("threads=--host-processes 0", "pool=")
 
 
 class NullWorker:
-    """A worker whose outputs are zeros of the right shapes, at once: qa (B, S) start and end
-    logits, classify (B, labels) logits. The host path is all that is left to measure."""
+    """A worker whose outputs have the right shapes and come at once: qa (B, S) start and end
+    logits, classify (B, labels) logits. The host path is all that is left to measure.
+
+    The logits are a fixed random table, not zeros: answer shaping over flat logits is a
+    degenerate case (every span ties, and numpy's partition takes 4x as long as on a model's)."""
 
     def __init__(self, info, max_batch_tokens: int):
         self.info = info
@@ -57,6 +60,7 @@ class NullWorker:
         self.max_batch_tokens = max_batch_tokens
         if info.task not in ("qa", "classify"):
             raise ValueError(f"the null engine serves qa and classify, not {info.task}")
+        self.table = np.random.default_rng(0).standard_normal((2, info.max_length)).astype(np.float32)
 
     def health(self) -> bool:
         return True
@@ -67,8 +71,8 @@ class NullWorker:
     def run(self, batch) -> dict[str, np.ndarray]:
         b, s = batch.input_ids.shape
         if self.info.task == "qa":
-            return {"start_logits": np.zeros((b, s), np.float32), "end_logits": np.zeros((b, s), np.float32)}
-        return {"logits": np.zeros((b, len(self.info.labels or (0, 1))), np.float32)}
+            return {"start_logits": np.tile(self.table[0, :s], (b, 1)), "end_logits": np.tile(self.table[1, :s], (b, 1))}
+        return {"logits": np.tile(self.table[0, : len(self.info.labels or (0, 1))], (b, 1))}
 
     def close(self) -> None:
         pass
@@ -128,10 +132,16 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
 
 
 async def closed_loop(port: int, requests: list[bytes], concurrency: int, warmup_s: float,
-                      duration_s: float) -> dict:
+                      duration_s: float, server_pid: int | None = None) -> dict:
     """`concurrency` keep-alive connections, each sending its next request when answered; counts
-    the answers that arrive within the `duration_s` after `warmup_s`."""
+    the answers that arrive within the `duration_s` after `warmup_s`, and the CPU seconds the
+    server process (`server_pid`) and its children spent meanwhile."""
     t0 = time.monotonic()
+    loop = asyncio.get_running_loop()
+    cpu_samples = []
+    if server_pid is not None:
+        loop.call_later(warmup_s, lambda: cpu_samples.append(cpu_seconds(server_pid)))
+        loop.call_later(warmup_s + duration_s, lambda: cpu_samples.append(cpu_seconds(server_pid)))
     begin, end = t0 + warmup_s, t0 + warmup_s + duration_s
     done, errors, latency, total_ms, tokenize_ms = 0, [], [], [], []
 
@@ -165,13 +175,41 @@ async def closed_loop(port: int, requests: list[bytes], concurrency: int, warmup
     client_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    return {
+    cpu = {}
+    if len(cpu_samples) == 2 and done:
+        (main0, pool0), (main1, pool1) = cpu_samples
+        cpu = {"server_cores_busy": (main1 + pool1 - main0 - pool0) / duration_s,
+               "loop_cpu_ms_per_doc": 1000 * (main1 - main0) / done,
+               "pool_cpu_ms_per_doc": 1000 * (pool1 - pool0) / done}
+    return {**cpu,
         "docs_per_s": done / duration_s, "requests": done,
         "latency_p50_ms": float(np.percentile(latency, 50) * 1000) if latency else None,
         "server_total_ms": float(np.mean(total_ms)) if total_ms else None,
         "server_tokenize_ms": float(np.mean(tokenize_ms)) if tokenize_ms else None,
         "client_cpu_ms_per_request": 1000 * client_cpu / max(1, done),
     }
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime of one process, seconds (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the server process `pid` and of its live child processes (the host pool)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return _proc_cpu(pid), sum(_proc_cpu(c) for c in children)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +248,8 @@ def measure(args, cpus: list[int], flags: list[str], requests_for) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None if args.verbose else subprocess.DEVNULL)
     try:
         wait_ready(proc, port)
-        result = asyncio.run(closed_loop(port, requests_for(port), args.concurrency, args.warmup, args.duration))
+        result = asyncio.run(closed_loop(port, requests_for(port), args.concurrency, args.warmup, args.duration,
+                                          proc.pid))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -219,6 +258,21 @@ def measure(args, cpus: list[int], flags: list[str], requests_for) -> dict:
             proc.kill()
             proc.wait()
     return {"command": shlex.join(cmd), **result}
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per (mode, cores): the median docs/s over the rounds, and its ratio to the mode's 1-core median."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        for n in dict.fromkeys(r["cores"] for r in results if r["mode"] == mode):
+            rows = [r for r in results if r["mode"] == mode and r["cores"] == n]
+            out.append({"mode": mode, "cores": n, "doc_tokens": rows[0]["doc_tokens"], "rounds": len(rows),
+                        "docs_per_s": float(np.median([r["docs_per_s"] for r in rows]))})
+    for row in out:
+        one = [o for o in out if o["mode"] == row["mode"] and o["cores"] == 1]
+        if one and row["cores"] != 1:
+            row["vs_1_core"] = row["docs_per_s"] / one[0]["docs_per_s"]
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -258,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{'; '.join(DEFAULT_MODES)})")
     p.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over all points (the table gives medians)")
     p.add_argument("--max-batch-tokens", type=int, default=65536, help="batch budget (as on a GPU)")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--out", type=Path, default=None, help="results JSON")
@@ -275,27 +330,36 @@ def main(argv: list[str] | None = None) -> int:
     allowed = sorted(os.sched_getaffinity(0) if not args.client_cpus else range(os.cpu_count() or 1))
     modes = [m.partition("=") for m in (args.mode or DEFAULT_MODES)]
     results = []
-    print(f"{'mode':10s} {'cores':>5s} {'docs/s':>8s} {'p50 ms':>8s} {'server ms':>10s} {'tokenize ms':>12s} "
-          f"{'client cpu ms/req':>18s}", flush=True)
-    for name, _, flags in modes:
-        for n in (int(c) for c in args.cores.split(",")):
-            if n > len(allowed):
-                raise SystemExit(f"--cores {n}: only {len(allowed)} CPUs")
-            r = measure(args, allowed[:n], shlex.split(flags), requests_for)
-            r.update(mode=name, cores=n, flags=flags, doc_tokens=args.doc_tokens, concurrency=args.concurrency)
-            results.append(r)
-            print(f"{name:10s} {n:5d} {r['docs_per_s']:8.1f} {r['latency_p50_ms'] or 0:8.1f} "
-                  f"{r['server_total_ms'] or 0:10.1f} {r['server_tokenize_ms'] or 0:12.1f} "
-                  f"{r['client_cpu_ms_per_request']:18.2f}", flush=True)
-    for name, _, _ in modes:
-        rows = {r["cores"]: r["docs_per_s"] for r in results if r["mode"] == name}
-        if 1 in rows and len(rows) > 1:
-            print(f"{name}: " + ", ".join(f"{c} cores {v / rows[1]:.2f}x" for c, v in rows.items() if c != 1))
+    print(f"{'mode':8s} {'cores':>5s} {'docs/s':>7s} {'p50 ms':>7s} {'server ms':>9s} {'tokenize ms':>11s} "
+          f"{'cores busy':>10s} {'loop cpu ms/doc':>15s} {'pool cpu ms/doc':>15s} {'client cpu ms/doc':>17s} "
+          f"{'load':>5s}", flush=True)
+    cores = [int(c) for c in args.cores.split(",")]
+    if max(cores) > len(allowed):
+        raise SystemExit(f"--cores {max(cores)}: only {len(allowed)} CPUs")
+    for round_ in range(args.repeat):  # rounds interleave the points: a machine whose load drifts drifts for all
+        for name, _, flags in modes:
+            for n in cores:
+                load = os.getloadavg()[0]
+                r = measure(args, allowed[:n], shlex.split(flags), requests_for)
+                r.update(mode=name, cores=n, flags=flags, doc_tokens=args.doc_tokens, concurrency=args.concurrency,
+                         round=round_, load_average=load)
+                results.append(r)
+                print(f"{name:8s} {n:5d} {r['docs_per_s']:7.1f} {r['latency_p50_ms'] or 0:7.1f} "
+                      f"{r['server_total_ms'] or 0:9.1f} {r['server_tokenize_ms'] or 0:11.1f} "
+                      f"{r.get('server_cores_busy', 0):10.2f} {r.get('loop_cpu_ms_per_doc', 0):15.2f} "
+                      f"{r.get('pool_cpu_ms_per_doc', 0):15.2f} {r['client_cpu_ms_per_request']:17.2f} "
+                      f"{load:5.1f}", flush=True)
+    summary = summarize(results)
+    print(f"\nmedian of {args.repeat} round(s):")
+    for row in summary:
+        print(f"{row['mode']:8s} {row['cores']:2d} cores {row['docs_per_s']:7.1f} docs/s"
+              + (f"  {row['vs_1_core']:.2f}x one core" if row.get("vs_1_core") else ""))
     if args.out:
-        args.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]),
-                                        "cpu": _cpu_name(), "results": results}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]), "cpu": _cpu_name(),
+                                        "cpus": os.cpu_count(), "summary": summary, "results": results},
+                                       indent=2) + "\n")
     if args.plot:
-        plot(results, args.plot)
+        plot(summary, args.plot)
     return 0
 
 

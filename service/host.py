@@ -24,6 +24,7 @@ out of memory) fails the calls it held with 503 `unavailable`, and the pool is r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
@@ -78,6 +79,11 @@ class QADocument:
     n_tokens: int
 
 
+def _array(ints, n: int = -1) -> np.ndarray:
+    """(n,) int64 from an iterable of ints (np.fromiter: a third of np.asarray's time on tuples)."""
+    return np.fromiter(ints, np.int64, n if n >= 0 else len(ints))
+
+
 def prepare_qa(info, job, stride: int | None, limit: int) -> list[QADocument]:
     q, _ = encode(info, job.question, limit, "question")
     room = info.max_length - len(q) - 3
@@ -92,10 +98,10 @@ def prepare_qa(info, job, stride: int | None, limit: int) -> list[QADocument]:
         ids, offsets = encode(info, doc, limit)
         windows = W.qa_windows(q, ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"]))
         out.append(QADocument(
-            [np.asarray(w.input_ids, np.int64) for w in windows],
-            [np.asarray(w.token_type_ids, np.int64) for w in windows],
+            [_array(w.input_ids) for w in windows],
+            [_array(w.token_type_ids) for w in windows],
             np.asarray([(w.doc_start, w.doc_end, w.offset) for w in windows], np.int64).reshape(-1, 3),
-            np.asarray(offsets, np.int64).reshape(-1, 2),
+            _array(itertools.chain.from_iterable(offsets), 2 * len(offsets)).reshape(-1, 2),
             len(ids),
         ))
     return out
@@ -120,7 +126,7 @@ def prepare_classify(info, job, stride: int | None, limit: int) -> list[tuple[li
     for doc in job.common.documents:
         ids, _ = encode(info, doc, limit)
         windows = W.classify_windows(ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"]))
-        out.append(([np.asarray(w, np.int64) for w in windows], len(ids)))
+        out.append(([_array(w) for w in windows], len(ids)))
     return out
 
 

@@ -266,13 +266,28 @@ def summarize(results: list[dict]) -> list[dict]:
     for mode in dict.fromkeys(r["mode"] for r in results):
         for n in dict.fromkeys(r["cores"] for r in results if r["mode"] == mode):
             rows = [r for r in results if r["mode"] == mode and r["cores"] == n]
+            med = lambda key: round(float(np.median([r.get(key, 0.0) for r in rows])), 2)  # noqa: E731
             out.append({"mode": mode, "cores": n, "doc_tokens": rows[0]["doc_tokens"], "rounds": len(rows),
-                        "docs_per_s": float(np.median([r["docs_per_s"] for r in rows]))})
+                        "docs_per_s": med("docs_per_s"), "server_cores_busy": med("server_cores_busy"),
+                        "loop_cpu_ms_per_doc": med("loop_cpu_ms_per_doc"),
+                        "pool_cpu_ms_per_doc": med("pool_cpu_ms_per_doc"), "load_average": med("load_average")})
     for row in out:
         one = [o for o in out if o["mode"] == row["mode"] and o["cores"] == 1]
         if one and row["cores"] != 1:
-            row["vs_1_core"] = row["docs_per_s"] / one[0]["docs_per_s"]
+            row["vs_1_core"] = round(row["docs_per_s"] / one[0]["docs_per_s"], 2)
     return out
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The summary as docs/service.md shows it (a test compares the two)."""
+    lines = ["| mode | server cores | docs/s | vs 1 core | cores busy | event-loop process CPU ms/doc | "
+             "pool processes CPU ms/doc | load average |", "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        ratio = f"{r['vs_1_core']:.2f}x" if "vs_1_core" in r else "-"
+        lines.append(f"| {r['mode']} | {r['cores']} | {r['docs_per_s']:.1f} | {ratio} | "
+                     f"{r['server_cores_busy']:.2f} | {r['loop_cpu_ms_per_doc']:.1f} | {r['pool_cpu_ms_per_doc']:.1f} | "
+                     f"{r['load_average']:.1f} |")
+    return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -350,10 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.get('pool_cpu_ms_per_doc', 0):15.2f} {r['client_cpu_ms_per_request']:17.2f} "
                       f"{load:5.1f}", flush=True)
     summary = summarize(results)
-    print(f"\nmedian of {args.repeat} round(s):")
-    for row in summary:
-        print(f"{row['mode']:8s} {row['cores']:2d} cores {row['docs_per_s']:7.1f} docs/s"
-              + (f"  {row['vs_1_core']:.2f}x one core" if row.get("vs_1_core") else ""))
+    print(f"\nmedians of {args.repeat} round(s):\n" + markdown_table(summary))
     if args.out:
         args.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]), "cpu": _cpu_name(),
                                         "cpus": os.cpu_count(), "summary": summary, "results": results},

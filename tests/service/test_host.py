@@ -166,3 +166,13 @@ def test_host_path_bench_runs(tmp_path):
     assert row["mode"] == "pool" and row["cores"] == 1 and row["requests"] > 0 and row["docs_per_s"] > 0
     assert row["pool_cpu_ms_per_doc"] > 0  # the host work ran in the pool process
     assert plot.stat().st_size > 0
+
+
+def test_the_host_path_table_in_the_docs_is_the_results_file():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_host_path", ROOT / "bench" / "host_path.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
+    assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()

@@ -44,12 +44,25 @@ from longdoc.service.errors import DeadlineExceeded, InvalidRequest, TooLarge, U
 log = logging.getLogger("longdoc.service")
 
 
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD" (a container's CPU limit)
+
+
 def usable_cores() -> int:
-    """The CPU cores this process may run on (taskset, cgroup cpusets), not the machine's."""
+    """The CPU cores this process may use, not the machine's: its affinity (taskset, cpusets),
+    and at most its cgroup's CPU quota, rounded up (a Kubernetes pod limited to 2 CPUs on a
+    64-core node gets 2 pool processes, not 64)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 # ---------------------------------------------------------------------------------------------

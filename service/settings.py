@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     host_processes: int | None = Field(
         None, ge=0, description="processes that tokenize, window and shape answers beside the event loop; "
                                 "0: threads of the server process; unset: one per CPU core the server may use "
-                                "(its affinity, e.g. taskset), 0 on one core")
+                                "(its affinity, e.g. taskset, at most its cgroup CPU quota), 0 on one core")
 
     # dynamic batching (per model)
     batching: bool = Field(True, description="dynamic batching; off: every sequence runs alone (for comparison)")

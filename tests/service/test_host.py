@@ -141,13 +141,20 @@ def test_a_killed_pool_process_answers_503_then_the_service_recovers():
     asyncio.run(go())
 
 
-def test_host_processes_default_to_the_usable_cores(monkeypatch):
+def test_host_processes_default_to_the_usable_cores(monkeypatch, tmp_path):
+    monkeypatch.setattr(H, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
     monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0})
     assert Settings().host_process_count() == 0  # one core: threads, nothing to hand work to
     monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
     assert Settings().host_process_count() == 4
     assert Settings(host_processes=0).host_process_count() == 0
     assert Settings(host_processes=3).host_process_count() == 3
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(H, "CGROUP_CPU_MAX", str(cpu_max))
+    cpu_max.write_text("250000 100000\n")  # a container limited to 2.5 CPUs
+    assert Settings().host_process_count() == 3
+    cpu_max.write_text("max 100000\n")
+    assert Settings().host_process_count() == 4
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")

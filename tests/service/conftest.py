@@ -135,6 +135,8 @@ class ThreadServer:
     """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
 
     def __init__(self, settings: Settings, worker_factory=None):
+        if settings.host_processes is None:  # host work in threads, as running_app (timings of 0.2 s
+            settings = settings.model_copy(update={"host_processes": 0})  # hold on a loaded machine)
         self.app = create_app(settings, worker_factory=worker_factory)
         self.port = free_port()
         # the connection limits `longdoc serve` runs with (service/connections.py)

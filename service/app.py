@@ -1,8 +1,10 @@
-"""The FastAPI app: routes -> validation -> tokenization (thread pool) -> batcher -> response.
+"""The FastAPI app: routes -> validation -> tokenization (host pool) -> batcher -> answer shaping
+(host pool) -> response.
 
 `create_app(settings, worker_factory=None)` builds an app whose lifespan loads every model on
 every device (workers), warms each up at the maximum length, starts one batcher task per
-model, and tears all of it down after. The routes never touch a worker.
+model and the host pool (service/host.py: tokenization, windows and answer shaping in processes
+beside the event loop), and tears all of it down after. The routes never touch a worker.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import logging
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +25,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from longdoc.export import windows as W
 from longdoc import __version__
+from longdoc.export import windows as W
 from longdoc.model.search import resolve_settings
+from longdoc.service import host as H
 from longdoc.service.access import AccessControl, AccessMiddleware
 from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
 from longdoc.service.batching import BatchingPolicy
 from longdoc.service.errors import (
-    DeadlineExceeded, InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
+    InvalidRequest, ModelNotFound, RequestTimeout, ServiceError, ShuttingDown, TooLarge,
     Unavailable, UnsupportedMediaType, error_body,
 )
 from longdoc.service.metrics import Metrics, length_buckets, length_label
@@ -73,7 +75,7 @@ class Timing:
 
 
 class Service:
-    """What the app's lifespan owns: models, engines, the tokenizer pool, readiness."""
+    """What the app's lifespan owns: models, engines, the host pool, readiness."""
 
     def __init__(self, settings: Settings, worker_factory: WorkerFactory):
         self.settings = settings
@@ -84,7 +86,7 @@ class Service:
         self.metrics = Metrics(max(budget, 16384), settings.max_batch_size)
         self.models: dict[str, ServedModel] = {}
         self.defaults: dict[str, str] = {}
-        self.tokenizer_pool: ThreadPoolExecutor | None = None
+        self.host: H.HostPool | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.draining = False
@@ -98,7 +100,6 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
-        self.tokenizer_pool = ThreadPoolExecutor(max_workers=s.tokenizer_threads, thread_name_prefix="tokenize")
         for name, directory in s.models.items():
             slots = []
             for i, device in enumerate(s.devices):
@@ -129,6 +130,9 @@ class Service:
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
+        self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
+                               s.tokenizer_threads)
+        await asyncio.to_thread(self.host.start)
         self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
         log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
         self.ready = True
@@ -173,8 +177,8 @@ class Service:
             await m.engine.drain(max(0.0, self.drain_deadline - time.monotonic()))
         for m in self.models.values():
             await m.engine.close()
-        if self.tokenizer_pool:
-            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self.host:
+            self.host.shutdown()
 
     def is_ready(self) -> bool:
         return self.ready and not self.draining and all(m.engine.healthy() for m in self.models.values())
@@ -191,64 +195,9 @@ class Service:
             raise InvalidRequest(f"model {name!r} is a {m.info.task} model, not {task}")
         return m
 
-    async def tokenize(self, deadline: float, fn, *args):
-        """fn(*args) in the tokenizer pool, given up at the request's deadline (a long document
-        must not hold the answer past it; a call already running finishes unseen)."""
-        future = asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
-        try:
-            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded during tokenization") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# tokenization + windows (run in the tokenizer pool)
-
-
-def _encode(info: ModelInfo, text: str, limit: int, what: str = "document"):
-    # encode_batch releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB document, and
-    # every thread, the event loop and the request's deadline included, waits); the token count is
-    # checked before the ids and offsets become Python lists
-    (enc,) = info.tokenizer.encode_batch([text], add_special_tokens=False)
-    if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
-        raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
-    if len(enc) > limit:
-        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
-    return enc.ids, enc.offsets
-
-
-def _prepare_qa(info: ModelInfo, job: QAJob, stride: int | None, limit: int):
-    q, _ = _encode(info, job.question, limit, "question")
-    room = info.max_length - len(q) - 3
-    if room < max(1, info.max_length // 4):  # the document needs room in each window
-        raise InvalidRequest(
-            f"question has {len(q)} tokens; at most {info.max_length - 3 - max(1, info.max_length // 4)} "
-            f"fit with a {info.max_length}-token window"
-        )
-    sp = info.special_tokens
-    out = []
-    for doc in job.common.documents:
-        ids, offsets = _encode(info, doc, limit)
-        out.append((W.qa_windows(q, ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"])), offsets, len(ids)))
-    return out
-
-
-def _prepare_classify(info: ModelInfo, job: ClassifyJob, stride: int | None, limit: int):
-    sp = info.special_tokens
-    out = []
-    for doc in job.common.documents:
-        ids, _ = _encode(info, doc, limit)
-        out.append((W.classify_windows(ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"])), len(ids)))
-    return out
-
-
-def _prepare_summarize(info: ModelInfo, job: SummarizeJob, limit: int):
-    out = []
-    for doc in job.common.documents:
-        ids, _ = _encode(info, doc, limit)
-        window, truncated = W.summarize_window(ids, info.max_length, info.special_tokens, info.summarize_input)
-        out.append((window, len(ids), truncated))
-    return out
+    async def host_work(self, deadline: float, what: str, fn, info: ModelInfo, *args):
+        """fn(info, *args) (service/host.py) in the host pool, given up at the request's deadline."""
+        return await self.host.call(deadline, what, fn, info, *args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,26 +510,30 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(job.common.deadline, _prepare_qa, model.info, job, settings.qa_stride,
-                                              settings.max_document_tokens)
+            prepared = await service.host_work(job.common.deadline, "tokenization", H.prepare_qa, model.info, job,
+                                               settings.qa_stride, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
-            seqs = [(w.input_ids, w.token_type_ids) for windows, _, _ in prepared for w in windows]
+            seqs = [pair for p in prepared for pair in zip(p.input_ids, p.token_type_ids)]
             results = await model.engine.submit(seqs, state)
             timing.queue = results[0].queue_s
             timing.inference = results[0].inference_s
-            out, i = [], 0
-            for doc, (windows, offsets, n_tokens) in zip(job.common.documents, prepared):
-                rs = results[i : i + len(windows)]
-                i += len(windows)
-                spans = W.best_spans(windows, [r.outputs["start_logits"] for r in rs],
-                                     [r.outputs["end_logits"] for r in rs], offsets, job.top_k, job.max_answer_tokens)
-                service.metrics.windows.labels(model.info.name, "qa").observe(len(windows))
+            starts, ends, i = [], [], 0
+            for p in prepared:
+                rs = results[i : i + len(p.windows)]
+                i += len(p.windows)
+                starts.append([r.outputs["start_logits"] for r in rs])
+                ends.append([r.outputs["end_logits"] for r in rs])
+            spans = await service.host_work(job.common.deadline, "answer shaping", H.qa_spans, model.info,
+                                            [(p.windows, p.offsets) for p in prepared], starts, ends, job.top_k,
+                                            job.max_answer_tokens)
+            out = []
+            for doc, p, doc_spans in zip(job.common.documents, prepared, spans):
+                service.metrics.windows.labels(model.info.name, "qa").observe(len(p.windows))
                 out.append({
-                    "answers": [{"text": doc[s.start : s.end], "start": s.start, "end": s.end, "score": s.score}
-                                for s in spans],
-                    "usage": {"tokens": n_tokens, "windows": len(windows), "truncated": False},
+                    "answers": [{"text": doc[a:b], "start": a, "end": b, "score": score} for a, b, score in doc_spans],
+                    "usage": {"tokens": p.n_tokens, "windows": len(p.windows), "truncated": False},
                 })
-            total = sum(p[2] for p in prepared)
+            total = sum(p.n_tokens for p in prepared)
             return JSONResponse({"model": model.info.name, "results": out}), model, total
 
         return await serve(request, "qa", work)
@@ -595,8 +548,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(job.common.deadline, _prepare_classify, model.info, job,
-                                              settings.classify_stride, settings.max_document_tokens)
+            prepared = await service.host_work(job.common.deadline, "tokenization", H.prepare_classify, model.info,
+                                               job, settings.classify_stride, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             seqs = [(w, None) for windows, _ in prepared for w in windows]
             results = await model.engine.submit(seqs, state)
@@ -636,8 +589,8 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         async def work(state: RequestState, timing: Timing):
             state.deadline = job.common.deadline
             t = time.monotonic()
-            prepared = await service.tokenize(job.common.deadline, _prepare_summarize, model.info, job,
-                                              settings.max_document_tokens)
+            prepared = await service.host_work(job.common.deadline, "tokenization", H.prepare_summarize, model.info,
+                                               job, settings.max_document_tokens)
             timing.tokenize = time.monotonic() - t
             t = time.monotonic()
             streams = [await model.engine.submit(ids, search, state) for ids, _, _ in prepared]

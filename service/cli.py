@@ -164,7 +164,8 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, worker_factory=None) -> int:
+    """`worker_factory`: create_app's (benchmarks serve a null engine through this same path)."""
     import logging
     import signal
 
@@ -178,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
     check_port(settings.host, settings.port)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
-    app = create_app(settings)
+    app = create_app(settings, worker_factory)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

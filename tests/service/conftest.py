@@ -87,6 +87,9 @@ def fake_factory(restarts_fail: bool = False, **per_task):
 
 @contextlib.asynccontextmanager
 async def running_app(factory=None, **overrides):
+    """The app in-process (httpx's ASGI transport), host work in threads unless `host_processes`
+    says otherwise (tests patch the host functions of this process)."""
+    overrides.setdefault("host_processes", 0)
     settings = Settings(models=overrides.pop("models", {"qa": "qa", "cls": "classify", "sum": "summarize"}),
                         **overrides)
     app = create_app(settings, worker_factory=factory or fake_factory())
@@ -132,6 +135,8 @@ class ThreadServer:
     """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
 
     def __init__(self, settings: Settings, worker_factory=None):
+        if settings.host_processes is None:  # host work in threads, as running_app (timings of 0.2 s
+            settings = settings.model_copy(update={"host_processes": 0})  # hold on a loaded machine)
         self.app = create_app(settings, worker_factory=worker_factory)
         self.port = free_port()
         # the connection limits `longdoc serve` runs with (service/connections.py)

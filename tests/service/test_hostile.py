@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from longdoc.service import app as service_app
+from longdoc.service import host
 from longdoc.service.workers import onnx_worker_factory
 from tests.service.conftest import running_app
 
@@ -118,14 +118,14 @@ def test_exactly_one_of_document_or_documents_and_never_null(body):
 def test_deadline_holds_while_tokenizing(monkeypatch):
     """Tokenization blocked on a gate: a 0.05 s deadline is answered 504 while it still runs."""
     gate, entered = threading.Event(), threading.Event()
-    prepare = service_app._prepare_classify
+    prepare = host.prepare_classify
 
     def blocked(*args):
         entered.set()
         gate.wait(10)  # released by the test once it has its answer
         return prepare(*args)
 
-    monkeypatch.setattr(service_app, "_prepare_classify", blocked)
+    monkeypatch.setattr(host, "prepare_classify", blocked)
 
     async def go():
         async with running_app() as c:
@@ -143,7 +143,7 @@ def test_a_real_tokenizer_lets_the_deadline_and_other_requests_run(monkeypatch):
     """A 2 MB document on the shipped tokenizer (about 2 s of tokenizing) with a 0.05 s deadline:
     504, and while it tokenizes the event loop keeps answering /livez (tokenizers' `encode`
     holds the GIL throughout, which froze both: the deadline was answered after the tokenizing)."""
-    encode = service_app._encode
+    encode = host.encode
     livez_answered, during = [0], []
 
     def counted_encode(*args):
@@ -153,7 +153,7 @@ def test_a_real_tokenizer_lets_the_deadline_and_other_requests_run(monkeypatch):
         finally:
             during.append(livez_answered[0] - before)
 
-    monkeypatch.setattr(service_app, "_encode", counted_encode)
+    monkeypatch.setattr(host, "encode", counted_encode)
     doc = ("The quick brown fox jumps over the lazy dog. " * 44_000)[:1_999_000]
 
     async def go():

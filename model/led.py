@@ -45,8 +45,8 @@ from torch import nn
 from longdoc.model.attention import GlobalTokens, LayoutTensors, global_tokens
 from longdoc.model.layout import AttentionSpec, longformer_attention_specs
 from longdoc.model.longformer import LongformerSelfAttention, padded_length, window_layouts
+from longdoc.model.activations import ACTIVATIONS, check_activation
 from longdoc.model.pegasus import (
-    ACTIVATIONS,
     BigBirdPegasusDecoder,
     EncoderOutput,
     Seq2SeqLM,
@@ -104,8 +104,7 @@ class LEDConfig:
                "num_hidden_layers": "encoder_layers"}
 
     def __post_init__(self):
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation_function {self.activation_function!r}")
+        check_activation(self.activation_function, "activation_function")
         if self.d_model % self.encoder_attention_heads or self.d_model % self.decoder_attention_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of the attention heads")
         longformer_attention_specs(self._window_config())  # a bad attention_window fails here, by name
@@ -287,7 +286,3 @@ def first_token_global(input_ids: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros_like(input_ids)
     mask[:, 0] = 1
     return mask
-
-
-# architecture name in config.json -> class
-ARCHITECTURES: dict[str, type[nn.Module]] = {"LEDForConditionalGeneration": LEDForConditionalGeneration}

@@ -24,7 +24,7 @@ Architecture (what the checkpoints hold):
   `longdoc.model.lengths.plan_length` before `forward`, never by changing the config.
 - Decoder: causal full self-attention with a KV cache, full cross-attention over the encoder output.
 
-Export-friendly entry points (engineer E's graphs call these):
+Export-friendly entry points (the ONNX export's reference, `longdoc export verify`, calls these):
 - `BigBirdPegasusEncoder.forward(input_ids, attention_mask, layouts)`: padded input, per-layer layout
   tensors as inputs (or `layouts=None` for full attention).
 - `BigBirdPegasusForConditionalGeneration.cross_attention_kv(encoder_hidden_states)`: per-layer
@@ -44,28 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longdoc.model.activations import ACTIVATIONS, check_activation
+
 if TYPE_CHECKING:  # longdoc.model.attention is imported when a block-sparse layout is first used
     from longdoc.model.attention import LayoutTensors
 
 # ----------------------------------------------------------------------------------------------
 # small modules
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    # the tanh approximation of GELU (Hendrycks & Gimpel 2016), what configs call "gelu_new"
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": gelu_tanh,
-    "gelu_fast": gelu_tanh,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "tanh": torch.tanh,
-}
 
 
 def _mask_value(dtype: torch.dtype) -> float:
@@ -286,8 +271,7 @@ class BigBirdPegasusConfig:
         cfg = cls(**kwargs, extra=extra)
         if cfg.attention_type not in ("block_sparse", "original_full"):
             raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {cfg.attention_type!r}")
-        if cfg.activation_function not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation_function {cfg.activation_function!r}")
+        check_activation(cfg.activation_function, "activation_function")
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

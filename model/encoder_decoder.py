@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model.activations import check_activation
+from longdoc.model.config import eos_token_ids
 from longdoc.model.bigbird import (BigBirdConfig, BigBirdEmbeddings, BigBirdIntermediate, BigBirdModel,
                                    BigBirdOnlyMLMHead, BigBirdOutput, BigBirdSelfOutput, HFConfig, init_weights)
 from longdoc.model.pegasus import EncoderOutput, Seq2SeqLM, Seq2SeqLMOutput, shift_tokens_right, teacher_forced
@@ -201,8 +202,7 @@ class EncoderDecoderConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+        return eos_token_ids(self.eos_token_id)
 
 
 def attention_spec_from_config(config: EncoderDecoderConfig, plan: str = "hf-train"):

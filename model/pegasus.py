@@ -37,7 +37,7 @@ Export-friendly entry points (the ONNX export's reference, `longdoc export verif
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model.activations import ACTIVATIONS, check_activation
+from longdoc.model.config import Seq2SeqConfig
 
 if TYPE_CHECKING:  # longdoc.model.attention is imported when a block-sparse layout is first used
     from longdoc.model.attention import LayoutTensors
@@ -209,10 +210,9 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass
-class BigBirdPegasusConfig:
+class BigBirdPegasusConfig(Seq2SeqConfig):
     """The fields of a Hugging Face `config.json` with model_type "bigbird_pegasus" (defaults are
-    transformers' defaults). Keys we do not model are kept in `extra` and written back by
-    `to_dict`, so a round trip loses nothing."""
+    transformers' defaults); `Seq2SeqConfig` reads and writes it."""
 
     vocab_size: int = 96103
     max_position_embeddings: int = 4096
@@ -252,41 +252,15 @@ class BigBirdPegasusConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "bigbird_pegasus"
+    ARCHITECTURE = "BigBirdPegasusForConditionalGeneration"
+    # transformers' aliases (attribute_map) for a few fields
+    ALIASES = {"hidden_size": "d_model", "num_attention_heads": "encoder_attention_heads",
+               "num_hidden_layers": "encoder_layers", "attention_probs_dropout_prob": "attention_dropout"}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BigBirdPegasusConfig:
-        if d.get("model_type", cls.model_type) != cls.model_type:
-            raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        # transformers' aliases (attribute_map) for a few fields
-        aliases = {"hidden_size": "d_model", "num_attention_heads": "encoder_attention_heads",
-                   "num_hidden_layers": "encoder_layers", "attention_probs_dropout_prob": "attention_dropout"}
-        kwargs, extra = {}, {}
-        for key, value in d.items():
-            key2 = aliases.get(key, key)
-            if key2 in known:
-                kwargs[key2] = value
-            elif key != "model_type":
-                extra[key] = value
-        cfg = cls(**kwargs, extra=extra)
-        if cfg.attention_type not in ("block_sparse", "original_full"):
-            raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {cfg.attention_type!r}")
-        check_activation(cfg.activation_function, "activation_function")
-        return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d = {k: v for k, v in d.items() if v is not None or k in ("pad_token_id", "bos_token_id", "eos_token_id")}
-        d.update({"architectures": ["BigBirdPegasusForConditionalGeneration"], "is_encoder_decoder": True})
-        d.update(extra)
-        d["model_type"] = self.model_type
-        return d
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+    def __post_init__(self):
+        if self.attention_type not in ("block_sparse", "original_full"):
+            raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {self.attention_type!r}")
+        check_activation(self.activation_function, "activation_function")
 
 
 def attention_spec_from_config(cfg: BigBirdPegasusConfig, plan: str = "hf-train"):

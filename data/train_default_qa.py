@@ -15,7 +15,7 @@ on man-page QA windows. The exact commands used for the shipped model (models/qa
         --output data/cache/runs/qa3 --max-steps 60
     # (a phase 4 like phase 3, --init data/cache/runs/qa3 --seed 3 --output data/cache/runs/qa4
     #  --max-steps 60, was stopped at step 26; its checkpoint-15 is the start of phase 5)
-    # phase 5 (engineer K): 768-token windows plus same-window questions of other terms (--siblings)
+    # phase 5: 768-token windows plus same-window questions of other terms (--siblings)
     .venv/bin/python -m data.train_default_qa --init data/cache/runs/qa4/checkpoint-15 --seed 4 \
         --siblings 2 --train data/cache/manpages/qa_train_w768s.jsonl \
         --output data/cache/runs/qa5 --max-steps 250 --threads 1

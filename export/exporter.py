@@ -12,25 +12,18 @@ from pathlib import Path
 
 import numpy as np
 
-from longdoc.export.graph import OPSET, save_model
-from longdoc.export.lowering import (ENCODER_ARCHITECTURES, LONGFORMER_ARCHITECTURES, LONGFORMER_ATTENTION,
-                                     LONGFORMER_GLOBAL_TOKENS, SEQ2SEQ_ARCHITECTURES, Weights, build_b2b_decoder,
-                                     build_b2b_encoder, build_bigbird_encoder, build_led_decoder, build_led_encoder,
-                                     build_longformer_encoder, build_pegasus_decoder, build_pegasus_encoder,
-                                     led_window_config, longformer_block_size)
+from longdoc.export.graph import LOWERED_ACTIVATIONS, OPSET, save_model
+from longdoc.export.lowering import LONGFORMER_ATTENTION, Weights
 from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
-from longdoc.model.layout import AttentionSpec, checkpoint_attention_spec, longformer_attention_specs
+from longdoc.export.registry import LOWERINGS, BuildRequest, Lowering
+from longdoc.model.layout import AttentionSpec
+from longdoc.model.registry import model_types_for
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
-                                        summarize_input_of)
+from longdoc.model.tokenization import TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MODEL_TYPES = {"big_bird": "encoder", "bigbird_pegasus": "seq2seq", "encoder-decoder": "seq2seq",
-               "longformer": "longformer", "led": "seq2seq"}
 PLANS = ("hf-train", "hf-eval", "seeded")
-# LED summarizes with the first token global (allenai's recipe; longdoc.model.led.first_token_global),
-# and that token is bos: its tokenizer reads `<s> document </s>` (summarize_input_of)
-LED_GLOBAL_TOKENS = "first"
+ACTIVATION_KEYS = ("hidden_act", "activation_function")  # where a config names its activations
 
 
 class CheckpointError(ValueError):
@@ -49,10 +42,27 @@ def read_config(directory: str | Path) -> dict:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in LOWERINGS:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(MODEL_TYPES)})")
+                              f"(supported: {', '.join(LOWERINGS)})")
+    unlowered = sorted({name for name in activations_of(config) if name not in LOWERED_ACTIVATIONS})
+    if unlowered:
+        raise CheckpointError(f"{path}: activation {', '.join(map(repr, unlowered))} cannot be exported (the export "
+                              f"lowers {', '.join(sorted(LOWERED_ACTIVATIONS))})")
     return config
+
+
+def activations_of(config) -> list[str]:
+    """Every activation name a config (and its nested encoder / decoder configs) gives."""
+    if not isinstance(config, dict):
+        return []
+    return [*(v for k, v in config.items() if k in ACTIVATION_KEYS and isinstance(v, str)),
+            *(name for v in config.values() for name in activations_of(v))]
+
+
+def lowering_of(config: dict) -> Lowering:
+    """The registry record of a config `read_config` accepted."""
+    return LOWERINGS[config["model_type"]]
 
 
 def checkpoint_tokenizer(checkpoint_dir: Path, progress: Callable[[str], None] = print):
@@ -103,125 +113,50 @@ def task_of(config: dict, task: str) -> str:
     """Check the requested task against the checkpoint's architecture; fail fast."""
     if task not in TASKS:
         raise CheckpointError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    record = lowering_of(config).model
     architectures = config.get("architectures") or []
     arch = architectures[0] if architectures else None
-    if MODEL_TYPES[config["model_type"]] == "seq2seq":
-        if task != "summarize":
-            raise CheckpointError(f"a {config['model_type']} checkpoint exports as --task summarize, not {task!r}")
-        if arch not in (None, *SEQ2SEQ_ARCHITECTURES):
-            raise CheckpointError(f"architecture {arch!r} is not supported for summarize "
-                                  f"(supported: {', '.join(SEQ2SEQ_ARCHITECTURES)})")
-        return task
-    if task == "summarize":
-        raise CheckpointError("--task summarize needs a bigbird_pegasus, encoder-decoder or led checkpoint")
-    if config["model_type"] == "longformer":
-        tasks = {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}
-        if task not in tasks:
-            raise CheckpointError(f"a longformer checkpoint exports as --task {' or '.join(tasks)}, not {task!r}")
-        if arch is not None and arch not in LONGFORMER_ARCHITECTURES:
-            raise CheckpointError(f"architecture {arch!r} is not supported "
-                                  f"(supported: {', '.join(LONGFORMER_ARCHITECTURES)})")
-        if arch is not None and LONGFORMER_ARCHITECTURES[arch] != task:
-            raise CheckpointError(f"checkpoint architecture {arch} is a {LONGFORMER_ARCHITECTURES[arch]!r} model, "
-                                  f"not {task!r}")
-        return task
-    if arch is not None and arch not in ENCODER_ARCHITECTURES:
-        raise CheckpointError(f"architecture {arch!r} is not supported "
-                              f"(supported: {', '.join(ENCODER_ARCHITECTURES)})")
-    if arch is not None and ENCODER_ARCHITECTURES[arch] not in (None, task):
-        raise CheckpointError(f"checkpoint architecture {arch} is a {ENCODER_ARCHITECTURES[arch]!r} model, "
-                              f"not {task!r}")
+    if task not in record.tasks:
+        raise CheckpointError(f"a {record.model_type} checkpoint exports as --task {' or '.join(record.tasks)}, "
+                              f"not {task!r} (--task {task} needs a {' or '.join(model_types_for(task))} checkpoint)")
+    exports = record.exports()
+    if arch is not None and arch not in exports:
+        raise CheckpointError(f"architecture {arch!r} is not supported for {record.model_type} "
+                              f"(supported: {', '.join(exports)})")
+    if arch is not None and exports[arch] not in (None, task):
+        raise CheckpointError(f"checkpoint architecture {arch} is a {exports[arch]!r} model, not {task!r}")
     return task
 
 
 def encoder_config(config: dict) -> dict:
-    """The part of a checkpoint config that describes its encoder (block size, positions, attention):
-    an `encoder-decoder` config's nested `encoder`, an LED config under Longformer's names
-    (`led_window_config`), else the config itself."""
-    if config.get("model_type") == "led":
-        return led_window_config(config)
-    return config["encoder"] if config.get("model_type") == "encoder-decoder" else config
-
-
-def windowed(config: dict) -> bool:
-    """Longformer attention (one window, global tokens per request): longformer and led checkpoints."""
-    return config.get("model_type") in ("longformer", "led")
-
-
-def _summarize_graphs(weights: Weights, config: dict, graph_dtype: str, sparse: bool, int8_attention: str,
-                      progress) -> tuple[dict, tuple, dict]:
-    """-> (graphs, (hidden_size, heads, layers) of the encoder, the manifest's decoder dims)."""
-    if config["model_type"] == "encoder-decoder":
-        enc, dec = config["encoder"], config["decoder"]
-        progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {graph_dtype})")
-        graphs = {"encoder": build_b2b_encoder(weights, config, graph_dtype, sparse, int8_attention)}
-        progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {graph_dtype})")
-        graphs["decoder"] = build_b2b_decoder(weights, config, graph_dtype)
-        dims = (enc["hidden_size"], enc["num_attention_heads"], enc["num_hidden_layers"])
-        decoder = {"num_layers": dec["num_hidden_layers"], "num_heads": dec["num_attention_heads"],
-                   "head_dim": dec["hidden_size"] // dec["num_attention_heads"],
-                   "max_positions": dec["max_position_embeddings"]}
-        return graphs, dims, decoder
-    led = config["model_type"] == "led"
-    progress(f"building encoder graph ({config['encoder_layers']} layers, {graph_dtype})")
-    if led:
-        graphs = {"encoder": build_led_encoder(weights, config, graph_dtype)}
-        progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
-        graphs["decoder"] = build_led_decoder(weights, config, graph_dtype)
-        dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
-        decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
-                   "head_dim": config["d_model"] // config["decoder_attention_heads"],
-                   "max_positions": config["max_decoder_position_embeddings"]}
-        return graphs, dims, decoder
-    graphs = {"encoder": build_pegasus_encoder(weights, config, graph_dtype, sparse, int8_attention)}
-    progress(f"building decoder graph ({config['decoder_layers']} layers, {graph_dtype})")
-    graphs["decoder"] = build_pegasus_decoder(weights, config, graph_dtype)
-    dims = (config["d_model"], config["encoder_attention_heads"], config["encoder_layers"])
-    decoder = {"num_layers": config["decoder_layers"], "num_heads": config["decoder_attention_heads"],
-               "head_dim": config["d_model"] // config["decoder_attention_heads"],
-               "max_positions": config["max_position_embeddings"]}
-    return graphs, dims, decoder
+    """The part of a checkpoint config that describes its encoder (block size, positions, attention)
+    under BERT's names (`longdoc.model.registry.Architecture.encoder_config`)."""
+    return lowering_of(config).model.encoder_config(config)
 
 
 def attention_dict(config: dict, plan: str) -> dict:
     """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
-    every layer's, one window for all, `longformer_block_size`)."""
-    if windowed(config):
-        enc = encoder_config(config)
-        try:
-            longformer_block_size(enc)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
-        return longformer_attention_specs(enc)[0].to_dict()
-    return checkpoint_attention_spec(encoder_config(config), plan).to_dict()
+    every layer's, one window for all)."""
+    try:
+        return lowering_of(config).model.attention_spec(config, plan).to_dict()
+    except ValueError as exc:  # a window that differs between layers
+        raise CheckpointError(str(exc)) from None
 
 
 def length_bounds(config: dict, attention: str = "sparse") -> tuple[int, int, int]:
     """(min_length, max_length, full_attention_max_length) of a checkpoint's export: the lengths
     transformers runs on it too (docs/export.md, "Length bounds"), and up to which length it runs
     full attention (BigBird's switch; 0: never)."""
-    enc, bs = encoder_config(config), encoder_block_size(config)
-    if config["model_type"] == "longformer":  # RoBERTa positions start after pad_token_id (window padding
-        # takes pad's position); no switch to full attention
-        max_length = (int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1) // bs * bs
-        return 1, max_length, (max_length if attention == "full" else 0)
-    if windowed(config):  # LED: transformers pads the input to a multiple of attention_window (2w) and
-        # then looks up positions 0..padded-1 of the encoder's table: a length whose padding runs past
-        # the table cannot run (1013 -> 1032 of 1024 with window 24)
-        return 1, int(config["max_encoder_position_embeddings"]) // (2 * bs) * (2 * bs), 0
-    max_length = (int(enc["max_position_embeddings"]) // bs) * bs
-    sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
-    return bs, max_length, (5 + 2 * int(enc.get("num_random_blocks", 3))) * bs if sparse else max_length
+    encoder_block_size(config)  # a bad window fails here, by name
+    return lowering_of(config).model.lengths(config, attention)
 
 
 def encoder_block_size(config: dict) -> int:
     """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2."""
-    if windowed(config):
-        try:
-            return longformer_block_size(encoder_config(config))
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
-    return int(encoder_config(config)["block_size"])
+    try:
+        return lowering_of(config).model.block_size(config)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _versions() -> dict:
@@ -282,44 +217,30 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"attention {attention!r} is not one of {', '.join(LONGFORMER_ATTENTION)}")
     config = read_config(checkpoint_dir)
     task = task_of(config, task)
-    if attention == "full" and config["model_type"] != "longformer":
+    lowering = lowering_of(config)
+    record = lowering.model
+    if attention == "full" and not lowering.full_attention:
         raise CheckpointError(f"--attention full is a Longformer benchmark baseline; a {config['model_type']} "
                               "checkpoint exports its own attention (BigBird: attention_type original_full in "
                               "config.json is full attention)")
+    if int8_attention != "off" and lowering.no_int8_attention:
+        raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
+                              f"block-sparse BigBird attention; {lowering.no_int8_attention} "
+                              "(use --int8-attention off)")
+    bs = encoder_block_size(config)
     wpath = weights_path(checkpoint_dir)
     tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
-    enc = encoder_config(config)
-    longformer = config["model_type"] == "longformer"
-    if windowed(config) and int8_attention != "off":
-        raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
-                              "block-sparse BigBird attention; Longformer's band and global tokens run in fp32 "
-                              "(use --int8-attention off)")
-    sparse = windowed(config) or enc.get("attention_type", "block_sparse") == "block_sparse"
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
-    bs = encoder_block_size(config)
 
-    graphs = {}
-    if task == "summarize":
-        graphs, (E, H, L), decoder = _summarize_graphs(weights, config, graph_dtype, sparse, int8_attention, progress)
-        decoder["generation"] = generation_defaults(checkpoint_dir, config)
-    elif longformer:
-        progress(f"building Longformer encoder graph ({config['num_hidden_layers']} layers, {graph_dtype}, "
-                 f"{'full attention' if attention == 'full' else 'window and global tokens'})")
-        graphs["encoder"] = build_longformer_encoder(weights, config, task, graph_dtype, attention)
-        E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
-        decoder = None
-    else:
-        progress(f"building encoder graph ({config['num_hidden_layers']} layers, {graph_dtype})")
-        graphs["encoder"] = build_bigbird_encoder(weights, config, task, graph_dtype, sparse,
-                                                  sep_token_id=config.get("sep_token_id"),
-                                                  int8_attention=int8_attention)
-        E, H, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
-        decoder = None
-    unused = sorted(set(weights.tensors) - weights.used - {"bert.pooler.weight", "bert.pooler.bias",
-                                                           "bert.embeddings.position_ids", "encoder.pooler.weight",
-                                                           "encoder.pooler.bias", "longformer.embeddings.position_ids"})
+    built = lowering.build(weights, config, BuildRequest(task=task, dtype=graph_dtype, int8_attention=int8_attention,
+                                                         attention=attention, progress=progress))
+    graphs, decoder = built.graphs, built.decoder
+    if decoder is not None:
+        decoder = {**decoder, "generation": generation_defaults(checkpoint_dir, config)}
+    E, H, L = record.encoder_dims(config)
+    unused = sorted(set(weights.tensors) - weights.used - set(lowering.unused))
     if unused:
         progress(f"note: {len(unused)} checkpoint tensors not used by the {task} graph: {', '.join(unused[:5])}")
 
@@ -348,17 +269,16 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
         min_length, max_length, full_max = length_bounds(config, attention)
         manifest = Manifest(
-            task=task, architecture=(config.get("architectures") or [_default_arch(task, config)])[0], dtype=dtype,
+            task=task, architecture=(config.get("architectures") or [record.tasks[task]])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs},
             attention=(AttentionSpec(pattern="dense", block_size=bs).to_dict() if attention == "full"
                        else attention_dict(config, plan)),
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
-            global_tokens=("none" if attention == "full" else LONGFORMER_GLOBAL_TOKENS[task] if longformer
-                           else LED_GLOBAL_TOKENS if windowed(config) else "none"),
+            global_tokens="none" if attention == "full" else record.global_tokens_of(task),
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             int8_weights=int8_weights,
-            summarize_input=summarize_input_of(config["model_type"]) if task == "summarize" else "doc-eos",
+            summarize_input=record.summarize_input if task == "summarize" else "doc-eos",
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)
@@ -398,17 +318,6 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     return {k: v for k, v in defaults.items() if k in GENERATION_KEYS}
-
-
-def _default_arch(task: str, config: dict) -> str:
-    if config.get("model_type") == "encoder-decoder":
-        return "EncoderDecoderModel"
-    if config.get("model_type") == "led":
-        return "LEDForConditionalGeneration"
-    if config["model_type"] == "longformer":
-        return {t: a for a, t in LONGFORMER_ARCHITECTURES.items()}[task]
-    return {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
-            "mlm": "BigBirdForMaskedLM", "summarize": "BigBirdPegasusForConditionalGeneration"}[task]
 
 
 def quantize_int8(model, path: Path, per_channel: bool = False) -> None:

@@ -9,7 +9,7 @@ over which tensors are graph inputs (the layout table) and which axes are dynami
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -97,15 +97,10 @@ class GraphBuilder:
                        axis=-1, epsilon=float(eps), stash_type=1)
 
     def activation(self, x: str, kind: str) -> str:
-        if kind == "relu":
-            return self.op("Relu", [x])
-        if kind in ("gelu", "gelu_python"):  # 0.5 x (1 + erf(x / sqrt 2))
-            return self.op("Gelu", [x])
-        if kind in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):  # tanh approximation
-            return self.op("Gelu", [x], approximate="tanh")
-        if kind in ("silu", "swish"):
-            return self.op("Mul", [x, self.op("Sigmoid", [x])])
-        raise ValueError(f"unsupported activation {kind!r}")
+        """`kind`, a name of `longdoc.model.activations.ACTIVATIONS` (LOWERED_ACTIVATIONS)."""
+        if kind not in LOWERED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {kind!r}; the export lowers {', '.join(sorted(LOWERED_ACTIVATIONS))}")
+        return LOWERED_ACTIVATIONS[kind](self, x)
 
     def to_fp32(self, x: str) -> str:
         """Outputs that leave the graph as logits are fp32 in every dtype."""
@@ -132,3 +127,36 @@ def save_model(model: onnx.ModelProto, path) -> None:
                         location=path.name + ".data", size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+
+
+def _gelu_tanh(g: GraphBuilder, x: str) -> str:  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    return g.op("Gelu", [x], approximate="tanh")
+
+
+def _silu(g: GraphBuilder, x: str) -> str:
+    return g.op("Mul", [x, g.op("Sigmoid", [x])])
+
+
+# every name of longdoc.model.activations.ACTIVATIONS, as ONNX ops (tests/export/test_activations.py
+# holds the two tables equal and each lowering to the PyTorch function's values)
+LOWERED_ACTIVATIONS: dict[str, Callable[[GraphBuilder, str], str]] = {
+    "gelu": lambda g, x: g.op("Gelu", [x]),  # 0.5 x (1 + erf(x / sqrt 2))
+    "gelu_python": lambda g, x: g.op("Gelu", [x]),
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_10": lambda g, x: g.op("Clip", [g.op("Gelu", [x]), g.fconst(-10.0), g.fconst(10.0)]),
+    "quick_gelu": lambda g, x: g.op("Mul", [x, g.op("Sigmoid", [g.op("Mul", [x, g.fconst(1.702)])])]),
+    "relu": lambda g, x: g.op("Relu", [x]),
+    "relu6": lambda g, x: g.op("Clip", [x, g.fconst(0.0), g.fconst(6.0)]),
+    "relu2": lambda g, x: (lambda r: g.op("Mul", [r, r]))(g.op("Relu", [x])),
+    "leaky_relu": lambda g, x: g.op("LeakyRelu", [x], alpha=0.01),
+    "silu": _silu,
+    "swish": _silu,
+    "mish": lambda g, x: g.op("Mish", [x]),  # x tanh(softplus(x))
+    "tanh": lambda g, x: g.op("Tanh", [x]),
+    "sigmoid": lambda g, x: g.op("Sigmoid", [x]),
+    "linear": lambda g, x: g.op("Identity", [x]),
+}

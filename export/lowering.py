@@ -33,24 +33,8 @@ from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
                                              declare_layout_inputs, dense_attention, gather_tokens, longformer_context,
                                              merge_heads, split_heads)
-
-ENCODER_ARCHITECTURES = {
-    "BigBirdForQuestionAnswering": "qa",
-    "BigBirdForSequenceClassification": "classify",
-    "BigBirdForMaskedLM": "mlm",
-    "BigBirdForPreTraining": "mlm",
-    "BigBirdModel": None,
-}
-SEQ2SEQ_ARCHITECTURES = {"BigBirdPegasusForConditionalGeneration": "summarize", "EncoderDecoderModel": "summarize",
-                         "LEDForConditionalGeneration": "summarize"}
-LONGFORMER_ARCHITECTURES = {
-    "LongformerForQuestionAnswering": "qa",
-    "LongformerForSequenceClassification": "classify",
-}
-# which tokens a Longformer task attends to globally (the manifest's `global_tokens`): the question
-# for QA (transformers' LongformerForQuestionAnswering default), the first token for classification
-LONGFORMER_GLOBAL_TOKENS = {"qa": "question", "classify": "first"}
-
+from longdoc.model.layout import longformer_block_size
+from longdoc.model.registry import led_window_config
 
 class Weights:
     """A state dict (name -> np.ndarray) that remembers which names were read."""
@@ -197,18 +181,6 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
 
 
 # --- Longformer encoder ----------------------------------------------------------------------
-
-def longformer_block_size(config: dict) -> int:
-    """w = attention_window / 2, the window's block size and band. One window for every layer: a
-    per-layer window would need one layout table per block size, which the graph does not take."""
-    from longdoc.model.layout import longformer_attention_specs
-
-    sizes = {spec.block_size for spec in longformer_attention_specs(config)}
-    if len(sizes) != 1:
-        raise ValueError(f"attention_window {config['attention_window']} differs between layers; the export takes "
-                         "one window for every layer (the PyTorch model, longdoc.model.longformer, runs it)")
-    return sizes.pop()
-
 
 def longformer_positions(g: GraphBuilder, ids: str, pad_token_id: int) -> str:
     """RoBERTa's position ids (longdoc.model.longformer.position_ids_from): (B, S) int64."""
@@ -452,14 +424,6 @@ def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_no
 
 
 # --- LED (Longformer Encoder-Decoder, longdoc.model.led) -------------------------------------
-
-def led_window_config(config: dict) -> dict:
-    """An LED config under the names the Longformer helpers read (`longformer_block_size`,
-    `longformer_attention_specs`, the manifest's dimensions): the encoder's."""
-    return {**config, "hidden_size": config["d_model"], "num_attention_heads": config["encoder_attention_heads"],
-            "num_hidden_layers": config["encoder_layers"],
-            "max_position_embeddings": config["max_encoder_position_embeddings"]}
-
 
 def _led_dims(config: dict) -> dict:
     """`_pegasus_dims` for LED: unscaled embeddings (LED has no scale_embedding), exact GELU by default."""

@@ -13,13 +13,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from longdoc.model.registry import TASKS
 from longdoc.model.tokenization import SUMMARIZE_INPUTS
 
 log = logging.getLogger("longdoc.export")
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
-TASKS = ("qa", "classify", "mlm", "summarize")
 GLOBAL_TOKENS = ("question", "first", "none")
 DTYPES = ("fp32", "fp16", "int8")
 # how an int8 export runs its encoder attention's products (export/sparse_attention.py's docstring)

@@ -329,26 +329,22 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
     """Raise VerifyError unless `checkpoint_dir` holds what was exported (sha256 of the weights,
     unless allowed otherwise) with the manifest's architecture and dimensions."""
     from longdoc.export.exporter import (CheckpointError, encoder_block_size, encoder_config, read_config, task_of,
-                                         weights_path, windowed)
+                                         weights_path)
     from longdoc.export.manifest import sha256_of
 
     try:
         config = read_config(checkpoint_dir)
         task_of(config, manifest.task)
         weights = weights_path(checkpoint_dir)
-        block_size = (encoder_block_size(config) if windowed(config)
-                      else encoder_config(config).get("block_size"))
+        block_size = encoder_block_size(config)
     except CheckpointError as exc:
         raise VerifyError(f"{checkpoint_dir} cannot be compared with {manifest.task!r} model: {exc}") from None
     arch = (config.get("architectures") or [manifest.architecture])[0]
     if arch != manifest.architecture:
         raise VerifyError(f"{checkpoint_dir} is a {arch}, but the export is a {manifest.architecture}")
-    pegasus = config.get("model_type") == "bigbird_pegasus"
-    enc = encoder_config(config)
-    dims = {"hidden_size": enc.get("d_model" if pegasus else "hidden_size"),
-            "num_layers": enc.get("encoder_layers" if pegasus else "num_hidden_layers"),
-            "num_heads": enc.get("encoder_attention_heads" if pegasus else "num_attention_heads"),
-            "block_size": block_size}
+    enc = encoder_config(config)  # under BERT's names, whatever the architecture
+    dims = {"hidden_size": enc.get("hidden_size"), "num_layers": enc.get("num_hidden_layers"),
+            "num_heads": enc.get("num_attention_heads"), "block_size": block_size}
     differ = [f"{k} {v} (export: {getattr(manifest, k)})" for k, v in dims.items() if v != getattr(manifest, k)]
     if manifest.labels is not None and len(config.get("id2label") or {}) not in (0, len(manifest.labels)):
         differ.append(f"{len(config['id2label'])} labels (export: {len(manifest.labels)})")

@@ -1,4 +1,5 @@
-"""longdoc: serve long-document BigBird models. The CLI lives in :mod:`longdoc.cli`."""
+"""longdoc: serve long-document transformer models (BigBird, BigBird-Pegasus, BERT2BERT, Longformer,
+LED). The CLI lives in :mod:`longdoc.cli`."""
 
 from importlib.metadata import PackageNotFoundError, version
 

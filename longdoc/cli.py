@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-# modules with add_commands(subparsers), in help order; a module not written yet is skipped.
+# modules with add_commands(subparsers), in help order
 _COMMAND_MODULES = ("longdoc.service.cli", "longdoc.export.cli", "longdoc.export.eval_cli", "longdoc.model.cli")
 
 
@@ -36,18 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     from longdoc import __version__
 
     parser = argparse.ArgumentParser(
-        prog="longdoc", description="Long-document BigBird models: train, export to ONNX, verify, evaluate, serve."
+        prog="longdoc", description="Long-document transformers (BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED): train, "
+                         "export to ONNX, verify, evaluate, serve."
     )
     parser.add_argument("--version", action="version", version=f"longdoc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # a package not written yet
-            if exc.name != name:
-                raise
-            continue
-        module.add_commands(sub)
+        importlib.import_module(name).add_commands(sub)
     for command in sub.choices.values():
         command.formatter_class = HelpFormatter
     return parser

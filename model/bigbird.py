@@ -25,101 +25,21 @@ with stacked per-layer layout tensors for ONNX export (dynamic length, layout as
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longdoc.model.activations import ACTIVATIONS, check_activation
+from longdoc.model.config import HFConfig
 from longdoc.model.attention import LayoutTensors, block_sparse_attention, layout_tensors
 from longdoc.model.layout import AttentionSpec, build_layout, checkpoint_attention_spec
 from longdoc.model.lengths import plan_length
 
 # ----------------------------------------------------------------------------------------------
-# activations: every name the BigBird / BERT configs use (transformers' ACT2FN spellings)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation as in Google's BERT/BigBird code ("gelu_new")."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-def gelu_accurate(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,  # exact (erf)
-    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_new": gelu_tanh,
-    "gelu_fast": gelu_fast,
-    "gelu_accurate": gelu_accurate,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_python_tanh": gelu_tanh,
-    "gelu_10": lambda x: torch.clip(F.gelu(x), -10.0, 10.0),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "relu6": F.relu6,
-    "relu2": lambda x: torch.square(F.relu(x)),
-    "leaky_relu": F.leaky_relu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "mish": F.mish,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-    "linear": lambda x: x,
-}
-
-
-# ----------------------------------------------------------------------------------------------
 # config
-
-
-class HFConfig:
-    """`config.json` <-> dataclass for the model configs (BigBird, Longformer): the dataclass
-    fields are the keys that change the computation, every other key is kept in `extra` and
-    written back unchanged, so a round trip loses nothing. Subclasses set `model_type`."""
-
-    model_type: str  # class attribute, not a field
-    id2label: dict[int, str] | None
-    extra: dict[str, Any]
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.id2label) if self.id2label else 2
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"model_type {model_type!r} is not {cls.model_type!r}")
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: d.pop(k) for k in list(d) if k in names}
-        num_labels = d.pop("num_labels", None)
-        d.pop("label2id", None)  # derived from id2label
-        if known.get("id2label") is None and num_labels is not None:
-            known["id2label"] = {i: f"LABEL_{i}" for i in range(int(num_labels))}
-        return cls(**known, extra=d)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The `config.json` content transformers reads (model_type included)."""
-        d = dict(self.extra)
-        for f in fields(self):
-            if f.name != "extra":
-                d[f.name] = getattr(self, f.name)
-        d["model_type"] = self.model_type
-        if self.id2label is not None:
-            d["id2label"] = {str(k): v for k, v in self.id2label.items()}
-            d["label2id"] = {v: k for k, v in self.id2label.items()}
-        if d["architectures"] is None:
-            del d["architectures"]
-        return d
 
 
 @dataclass
@@ -165,8 +85,7 @@ class BigBirdConfig(HFConfig):
             raise ValueError(
                 f"attention_type must be 'block_sparse' or 'original_full', got {self.attention_type!r}"
             )
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        check_activation(self.hidden_act)
         if self.position_embedding_type != "absolute":
             raise ValueError(
                 f"position_embedding_type {self.position_embedding_type!r} is not supported (only 'absolute')"

@@ -29,69 +29,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from longdoc.model.registry import REGISTRY, lookup
 from longdoc.model.search import checkpoint_generation_defaults
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
 BIN_NAME = "pytorch_model.bin"
 
-# model_type -> (module, config class, {architecture in config.json: class name}, default architecture)
-SUPPORTED: dict[str, tuple[str, str, dict[str, str], str]] = {
-    "big_bird": (
-        "longdoc.model.bigbird",
-        "BigBirdConfig",
-        {
-            "BigBirdModel": "BigBirdModel",
-            "BigBirdForQuestionAnswering": "BigBirdForQuestionAnswering",
-            "BigBirdForSequenceClassification": "BigBirdForSequenceClassification",
-            "BigBirdForMaskedLM": "BigBirdForMaskedLM",
-            # google/bigbird-roberta-base|large: the MLM head is used, the next-sentence head is not
-            "BigBirdForPreTraining": "BigBirdForMaskedLM",
-        },
-        "BigBirdModel",
-    ),
-    "longformer": (
-        "longdoc.model.longformer",
-        "LongformerConfig",
-        {
-            "LongformerModel": "LongformerModel",
-            "LongformerForQuestionAnswering": "LongformerForQuestionAnswering",
-            "LongformerForSequenceClassification": "LongformerForSequenceClassification",
-            "LongformerForMaskedLM": "LongformerForMaskedLM",
-        },
-        "LongformerModel",
-    ),
-    "bigbird_pegasus": (
-        "longdoc.model.pegasus",
-        "BigBirdPegasusConfig",
-        {"BigBirdPegasusForConditionalGeneration": "BigBirdPegasusForConditionalGeneration"},
-        "BigBirdPegasusForConditionalGeneration",
-    ),
-    "led": (
-        "longdoc.model.led",
-        "LEDConfig",
-        {"LEDForConditionalGeneration": "LEDForConditionalGeneration"},
-        "LEDForConditionalGeneration",
-    ),
-    # transformers' EncoderDecoderModel with a big_bird encoder and a bert decoder (BERT2BERT)
-    "encoder-decoder": (
-        "longdoc.model.encoder_decoder",
-        "EncoderDecoderConfig",
-        {"EncoderDecoderModel": "EncoderDecoderModel"},
-        "EncoderDecoderModel",
-    ),
-}
-
-# checkpoint keys that are known to be harmless when the model has no such key (regexes)
+# checkpoint keys that are known to be harmless when the model has no such key (regexes); each
+# architecture's own are in its registry record (`Architecture.ignored_keys`)
 IGNORED_ALWAYS = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)embed_positions\.position_ids$")
-IGNORED_BY_ARCHITECTURE = {
-    "BigBirdForPreTraining": (r"^cls\.seq_relationship\.",),
-    "BigBirdForQuestionAnswering": (r"^bert\.pooler\.",),  # QA has no pooler; some files carry one
-    # transformers' Longformer heads have no pooler (add_pooling_layer=False); a file may carry one
-    "LongformerForQuestionAnswering": (r"^longformer\.pooler\.",),
-    "LongformerForSequenceClassification": (r"^longformer\.pooler\.",),
-    "LongformerForMaskedLM": (r"^longformer\.pooler\.",),
-}
 
 
 class LoadError(ValueError):
@@ -115,6 +62,7 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
     if not d.is_dir():
         raise LoadError(f"checkpoint directory {str(d)!r} does not exist or is not a directory")
     cfg_dict = read_config(d)
+    record = lookup(cfg_dict.get("model_type"))
     cls, cfg_cls, arch = resolve_class(cfg_dict, architecture)
     if "forced_eos_token_id" in {f.name for f in dataclasses.fields(cfg_cls)}:  # an encoder-decoder
         try:  # generation_config.json over config.json, as the exporter reads them
@@ -132,10 +80,10 @@ def load_pretrained(directory, plan: str = "hf-train", architecture: str | None 
         state = {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
     if prefix and not any(k.startswith("pooler.") for k in state):
         # e.g. the encoder of a QA checkpoint
-        module = _construct(cls, config, plan, add_pooling_layer=False)
+        module = construct(cls, config, plan, add_pooling_layer=False)
     else:
-        module = _construct(cls, config, plan)
-    ignored = IGNORED_ALWAYS + IGNORED_BY_ARCHITECTURE.get(arch, ()) + tuple(getattr(cls, "IGNORED_KEYS", ()))
+        module = construct(cls, config, plan)
+    ignored = IGNORED_ALWAYS + record.ignored_keys.get(arch, ()) + tuple(getattr(cls, "IGNORED_KEYS", ()))
     load_state_dict_strict(module, state, ignored=ignored, source=str(d))
     return module.eval()
 
@@ -158,29 +106,30 @@ def read_config(d: Path) -> dict:
 
 
 def supported_text() -> str:
-    return "; ".join(f"model_type {t!r}: {sorted(archs)}" for t, (_, _, archs, _) in SUPPORTED.items())
+    return "; ".join(f"model_type {t!r}: {sorted(r.classes)}" for t, r in REGISTRY.items())
 
 
 def resolve_class(cfg: dict, architecture: str | None = None):
     """-> (model class, config class, architecture name) for a config dict."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
+    record = lookup(model_type)
+    if record is None:
         raise LoadError(f"unsupported model_type {model_type!r}; supported: {supported_text()}")
-    module_name, cfg_name, archs, default = SUPPORTED[model_type]
     if architecture is None:
-        listed = cfg.get("architectures") or [default]
+        listed = cfg.get("architectures") or [record.base_class]
         if not isinstance(listed, list) or not listed:
             raise LoadError(f"config 'architectures' must be a non-empty list, got {listed!r}")
         architecture = listed[0]
-    if architecture not in archs:
+    if architecture not in record.classes:
         raise LoadError(
-            f"unsupported architecture {architecture!r} for model_type {model_type!r}; supported: {sorted(archs)}"
+            f"unsupported architecture {architecture!r} for model_type {model_type!r}; supported: {sorted(record.classes)}"
         )
-    mod = importlib.import_module(module_name)  # lazily: pegasus only when asked for
-    return getattr(mod, archs[architecture]), getattr(mod, cfg_name), architecture
+    # the model's module is imported lazily: pegasus only when asked for
+    return record.load(record.classes[architecture]), record.load(record.config_class), architecture
 
 
-def _construct(cls, config, plan: str, **kwargs) -> nn.Module:
+def construct(cls, config, plan: str, **kwargs) -> nn.Module:
+    """A model class on its config: with the random-block plan where it takes one."""
     params = inspect.signature(cls).parameters
     if "plan" in params:
         return cls(config, plan=plan, **kwargs)

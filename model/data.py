@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from longdoc.model.registry import TASKS
 from longdoc.model.tokenization import SUMMARIZE_INPUTS, summarize_window
 
 IGNORE_INDEX = -100  # label value the losses skip (transformers' convention)
 
-TASKS = ("mlm", "qa", "classify", "summarize")
 REQUIRED_FIELDS = {
     "mlm": ("text",),
     "qa": ("question", "context", "answers"),

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longdoc.model.bigbird import (ACTIVATIONS, BigBirdConfig, BigBirdEmbeddings, BigBirdIntermediate, BigBirdModel,
+from longdoc.model.activations import check_activation
+from longdoc.model.config import eos_token_ids
+from longdoc.model.bigbird import (BigBirdConfig, BigBirdEmbeddings, BigBirdIntermediate, BigBirdModel,
                                    BigBirdOnlyMLMHead, BigBirdOutput, BigBirdSelfOutput, HFConfig, init_weights)
 from longdoc.model.pegasus import EncoderOutput, Seq2SeqLM, Seq2SeqLMOutput, shift_tokens_right, teacher_forced
 
@@ -134,8 +136,7 @@ class BertDecoderConfig(HFConfig):
     def __post_init__(self):
         if not (self.is_decoder and self.add_cross_attention):
             raise ValueError("the decoder config must say is_decoder=True and add_cross_attention=True")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        check_activation(self.hidden_act)
         if self.position_embedding_type != "absolute":
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not supported")
         if self.hidden_size % self.num_attention_heads:
@@ -201,8 +202,7 @@ class EncoderDecoderConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+        return eos_token_ids(self.eos_token_id)
 
 
 def attention_spec_from_config(config: EncoderDecoderConfig, plan: str = "hf-train"):

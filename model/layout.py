@@ -179,6 +179,16 @@ def longformer_attention_specs(config) -> tuple[AttentionSpec, ...]:
                  for w in windows)
 
 
+def longformer_block_size(config: dict) -> int:
+    """w = attention_window / 2, the window's block size and band. One window for every layer: a
+    per-layer window would need one layout table per block size, which the graph does not take."""
+    sizes = {spec.block_size for spec in longformer_attention_specs(config)}
+    if len(sizes) != 1:
+        raise ValueError(f"attention_window {config['attention_window']} differs between layers; the export takes "
+                         "one window for every layer (the PyTorch model, longdoc.model.longformer, runs it)")
+    return sizes.pop()
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     key_blocks: np.ndarray  # (H, nb, K) int64

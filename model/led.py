@@ -35,7 +35,7 @@ classification / QA heads, `inputs_embeds`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,8 +45,9 @@ from torch import nn
 from longdoc.model.attention import GlobalTokens, LayoutTensors, global_tokens
 from longdoc.model.layout import AttentionSpec, longformer_attention_specs
 from longdoc.model.longformer import LongformerSelfAttention, padded_length, window_layouts
+from longdoc.model.activations import ACTIVATIONS, check_activation
+from longdoc.model.config import Seq2SeqConfig
 from longdoc.model.pegasus import (
-    ACTIVATIONS,
     BigBirdPegasusDecoder,
     EncoderOutput,
     Seq2SeqLM,
@@ -58,7 +59,7 @@ from longdoc.model.pegasus import (
 
 
 @dataclass
-class LEDConfig:
+class LEDConfig(Seq2SeqConfig):
     """The fields of a Hugging Face `config.json` with model_type "led" (defaults are transformers'
     `LEDConfig` defaults, led-large's shape). Keys we do not model are kept in `extra` and written
     back by `to_dict`, so a round trip loses nothing."""
@@ -98,40 +99,17 @@ class LEDConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "led"
+    ARCHITECTURE = "LEDForConditionalGeneration"
     # transformers' attribute_map
     ALIASES = {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model",
                "attention_probs_dropout_prob": "attention_dropout", "initializer_range": "init_std",
                "num_hidden_layers": "encoder_layers"}
 
     def __post_init__(self):
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation_function {self.activation_function!r}")
+        check_activation(self.activation_function, "activation_function")
         if self.d_model % self.encoder_attention_heads or self.d_model % self.decoder_attention_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of the attention heads")
         longformer_attention_specs(self._window_config())  # a bad attention_window fails here, by name
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LEDConfig:
-        if d.get("model_type", cls.model_type) != cls.model_type:
-            raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs, extra = {}, {}
-        for key, value in d.items():
-            key2 = cls.ALIASES.get(key, key)
-            if key2 in known:
-                kwargs[key2] = value
-            elif key != "model_type":
-                extra[key] = value
-        return cls(**kwargs, extra=extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d = {k: v for k, v in d.items() if v is not None or k in ("pad_token_id", "bos_token_id", "eos_token_id")}
-        d.update({"architectures": ["LEDForConditionalGeneration"], "is_encoder_decoder": True})
-        d.update(extra)
-        d["model_type"] = self.model_type
-        return d
 
     # the names LongformerSelfAttention and the decoder layers read
     @property
@@ -287,7 +265,3 @@ def first_token_global(input_ids: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros_like(input_ids)
     mask[:, 0] = 1
     return mask
-
-
-# architecture name in config.json -> class
-ARCHITECTURES: dict[str, type[nn.Module]] = {"LEDForConditionalGeneration": LEDForConditionalGeneration}

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model.attention import GlobalTokens, LayoutTensors, block_sparse_attention, global_tokens, layout_tensors
+from longdoc.model.activations import check_activation
 from longdoc.model.bigbird import (
-    ACTIVATIONS,
     BigBirdClassificationHead,
     BigBirdIntermediate,
     BigBirdModelOutput,
@@ -90,8 +90,7 @@ class LongformerConfig(HFConfig):
     model_type = "longformer"  # class attribute, not a field
 
     def __post_init__(self):
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        check_activation(self.hidden_act)
         if self.position_embedding_type != "absolute":
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not supported (only 'absolute')")
         if self.hidden_size % self.num_attention_heads:
@@ -405,12 +404,3 @@ class LongformerForMaskedLM(_Head):
         if labels is not None:  # -100 = not a prediction target
             loss = F.cross_entropy(logits.view(-1, self.config.vocab_size), labels.view(-1))
         return MaskedLMOutput(loss=loss, logits=logits)
-
-
-# architecture name in config.json -> class
-ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LongformerModel": LongformerModel,
-    "LongformerForQuestionAnswering": LongformerForQuestionAnswering,
-    "LongformerForSequenceClassification": LongformerForSequenceClassification,
-    "LongformerForMaskedLM": LongformerForMaskedLM,
-}

@@ -24,7 +24,7 @@ Architecture (what the checkpoints hold):
   `longdoc.model.lengths.plan_length` before `forward`, never by changing the config.
 - Decoder: causal full self-attention with a KV cache, full cross-attention over the encoder output.
 
-Export-friendly entry points (engineer E's graphs call these):
+Export-friendly entry points (the ONNX export's reference, `longdoc export verify`, calls these):
 - `BigBirdPegasusEncoder.forward(input_ids, attention_mask, layouts)`: padded input, per-layer layout
   tensors as inputs (or `layouts=None` for full attention).
 - `BigBirdPegasusForConditionalGeneration.cross_attention_kv(encoder_hidden_states)`: per-layer
@@ -37,35 +37,21 @@ Export-friendly entry points (engineer E's graphs call these):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longdoc.model.activations import ACTIVATIONS, check_activation
+from longdoc.model.config import Seq2SeqConfig
+
 if TYPE_CHECKING:  # longdoc.model.attention is imported when a block-sparse layout is first used
     from longdoc.model.attention import LayoutTensors
 
 # ----------------------------------------------------------------------------------------------
 # small modules
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    # the tanh approximation of GELU (Hendrycks & Gimpel 2016), what configs call "gelu_new"
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": gelu_tanh,
-    "gelu_fast": gelu_tanh,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "tanh": torch.tanh,
-}
 
 
 def _mask_value(dtype: torch.dtype) -> float:
@@ -224,10 +210,9 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass
-class BigBirdPegasusConfig:
+class BigBirdPegasusConfig(Seq2SeqConfig):
     """The fields of a Hugging Face `config.json` with model_type "bigbird_pegasus" (defaults are
-    transformers' defaults). Keys we do not model are kept in `extra` and written back by
-    `to_dict`, so a round trip loses nothing."""
+    transformers' defaults); `Seq2SeqConfig` reads and writes it."""
 
     vocab_size: int = 96103
     max_position_embeddings: int = 4096
@@ -267,42 +252,15 @@ class BigBirdPegasusConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "bigbird_pegasus"
+    ARCHITECTURE = "BigBirdPegasusForConditionalGeneration"
+    # transformers' aliases (attribute_map) for a few fields
+    ALIASES = {"hidden_size": "d_model", "num_attention_heads": "encoder_attention_heads",
+               "num_hidden_layers": "encoder_layers", "attention_probs_dropout_prob": "attention_dropout"}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BigBirdPegasusConfig:
-        if d.get("model_type", cls.model_type) != cls.model_type:
-            raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        # transformers' aliases (attribute_map) for a few fields
-        aliases = {"hidden_size": "d_model", "num_attention_heads": "encoder_attention_heads",
-                   "num_hidden_layers": "encoder_layers", "attention_probs_dropout_prob": "attention_dropout"}
-        kwargs, extra = {}, {}
-        for key, value in d.items():
-            key2 = aliases.get(key, key)
-            if key2 in known:
-                kwargs[key2] = value
-            elif key != "model_type":
-                extra[key] = value
-        cfg = cls(**kwargs, extra=extra)
-        if cfg.attention_type not in ("block_sparse", "original_full"):
-            raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {cfg.attention_type!r}")
-        if cfg.activation_function not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation_function {cfg.activation_function!r}")
-        return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d = {k: v for k, v in d.items() if v is not None or k in ("pad_token_id", "bos_token_id", "eos_token_id")}
-        d.update({"architectures": ["BigBirdPegasusForConditionalGeneration"], "is_encoder_decoder": True})
-        d.update(extra)
-        d["model_type"] = self.model_type
-        return d
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+    def __post_init__(self):
+        if self.attention_type not in ("block_sparse", "original_full"):
+            raise ValueError(f"attention_type must be 'block_sparse' or 'original_full', not {self.attention_type!r}")
+        check_activation(self.activation_function, "activation_function")
 
 
 def attention_spec_from_config(cfg: BigBirdPegasusConfig, plan: str = "hf-train"):

@@ -194,12 +194,13 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
 # is LED's global token), BERT2BERT `[CLS] document [SEP]` (its eos is [SEP]). The exporter writes
 # the template into the manifest (`summarize_input`); training and serving both read it.
 SUMMARIZE_INPUTS = {"doc-eos": None, "bos-doc-eos": "bos", "cls-doc-eos": "cls"}
-SUMMARIZE_INPUT_OF = {"led": "bos-doc-eos", "encoder-decoder": "cls-doc-eos"}  # model_type -> template
 
 
 def summarize_input_of(model_type: str | None) -> str:
-    """The summarize input template of a checkpoint's `model_type` ("doc-eos" unless listed)."""
-    return SUMMARIZE_INPUT_OF.get(model_type or "", "doc-eos")
+    """The summarize input template of a checkpoint's `model_type` (its registry record's)."""
+    from longdoc.model import registry  # imported here: the registry imports this module
+
+    return registry.summarize_input_of(model_type)
 
 
 def summarize_window(doc_ids, max_length: int, special_tokens, template: str = "doc-eos") -> tuple[list[int], bool]:

@@ -35,7 +35,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model import data as D
-from longdoc.model.tokenization import summarize_input_of
+from longdoc.model.registry import lookup, model_types_for, summarize_input_of
 
 STATE_FILE = "training_state.pt"
 STATE_JSON = "trainer_state.json"
 TRAINING_JSON = "training.json"
-ARCHITECTURE_OF_TASK = {
-    "mlm": "BigBirdForMaskedLM",
-    "qa": "BigBirdForQuestionAnswering",
-    "classify": "BigBirdForSequenceClassification",
-    "summarize": "BigBirdPegasusForConditionalGeneration",
-}
 # keys a task model may lack in a checkpoint (they are initialised fresh): its head
 HEAD_PREFIXES = {
     "mlm": ("cls.",),
@@ -140,58 +134,31 @@ def _model_config_source(model: str) -> tuple[dict, Path | None]:
 
 def _check_task_config(task: str, config: dict, where: str) -> None:
     model_type = config.get("model_type")
-    # summarize: BigBird-Pegasus, or the BERT2BERT encoder-decoder of `longdoc warmstart --encoder-decoder`
-    want = ("bigbird_pegasus", "encoder-decoder") if task == "summarize" else ("big_bird",)
-    if model_type not in want:
+    record = lookup(model_type)
+    if record is None or task not in record.train_tasks:
+        want = model_types_for(task, training=True)
         raise ValueError(f"{where}: task {task!r} needs a {' or '.join(map(repr, want))} model, the config says "
                          f"model_type {model_type!r}")
 
 
 def _encoder_view(config: dict, max_target_length: int) -> dict:
     """What the data code reads of a model config (vocab_size, max_position_embeddings, the
-    special token ids): an encoder-decoder's encoder config with its top-level token ids (the
-    ones transformers' EncoderDecoderModel uses), after checking the decoder's position table
-    holds --max-target-length. Other configs unchanged."""
-    if config.get("model_type") != "encoder-decoder":
-        return config
-    decoder_positions = config["decoder"].get("max_position_embeddings", 512)
-    if max_target_length > decoder_positions:
-        raise ValueError(f"max_target_length {max_target_length} exceeds the decoder's max_position_embeddings "
-                         f"{decoder_positions}")
-    return {**config["encoder"], **{k: v for k, v in config.items() if k.endswith("_token_id")}}
+    special token ids): the encoder's config (an encoder-decoder's nested one) with the top-level
+    token ids (the ones transformers' EncoderDecoderModel uses), after checking a separate decoder
+    position table holds --max-target-length."""
+    decoder = config.get("decoder")
+    if isinstance(decoder, dict):  # an encoder-decoder's own decoder config
+        decoder_positions = decoder.get("max_position_embeddings", 512)
+        if max_target_length > decoder_positions:
+            raise ValueError(f"max_target_length {max_target_length} exceeds the decoder's max_position_embeddings "
+                             f"{decoder_positions}")
+    return {**lookup(config.get("model_type")).encoder_config(config),
+            **{k: v for k, v in config.items() if k.endswith("_token_id")}}
 
 
 def build_model(task: str, config: dict, plan: str, labels: list[str] | None = None, dropout: float | None = None) -> nn.Module:
-    """A randomly initialised task model for a config dict."""
-    config = dict(config)
-    if task == "summarize" and config.get("model_type") == "encoder-decoder":
-        from longdoc.model.encoder_decoder import EncoderDecoderConfig, EncoderDecoderModel
-
-        if dropout is not None:
-            for part in ("encoder", "decoder"):
-                config[part] = dict(config[part], hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-        return EncoderDecoderModel(EncoderDecoderConfig.from_dict(config), plan=plan)
-    if task == "summarize":
-        from longdoc.model.pegasus import BigBirdPegasusConfig, BigBirdPegasusForConditionalGeneration, attention_spec_from_config
-
-        if dropout is not None:
-            config.update(dropout=dropout, attention_dropout=dropout, activation_dropout=dropout)
-        cfg = BigBirdPegasusConfig.from_dict(config)
-        return BigBirdPegasusForConditionalGeneration(cfg, attention_spec=attention_spec_from_config(cfg, plan))
-    from longdoc.model import bigbird
-
-    if labels is not None:
-        config["id2label"] = {i: name for i, name in enumerate(labels)}
-        config.pop("label2id", None)
-        config.pop("num_labels", None)
-    if dropout is not None:
-        config.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-        if config.get("classifier_dropout") is not None:
-            config["classifier_dropout"] = dropout
-    cfg = bigbird.BigBirdConfig.from_dict(config)
-    cfg.architectures = [ARCHITECTURE_OF_TASK[task]]
-    cls = bigbird.ARCHITECTURES[ARCHITECTURE_OF_TASK[task]]
-    return cls(cfg, plan=plan)
+    """A randomly initialised task model for a config dict (`Architecture.build_for_training`)."""
+    return lookup(config.get("model_type")).build_for_training(task, config, plan, labels, dropout)
 
 
 def load_weights(module: nn.Module, task: str, directory: Path, log=print) -> None:
@@ -666,7 +633,3 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Train as `cfg` says; returns the final step, losses and history. The final model is in
     `cfg.output` (loadable with `longdoc.model.load_pretrained` and transformers' `from_pretrained`)."""
     return Trainer(cfg).run()
-
-
-def config_fields() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]

@@ -8,8 +8,11 @@
 #                                       # longdoc and the wheels and starts the exports
 #                                       # (bench/gpu.py --phases make) in the background while the
 #                                       # other parts travel
-#   bash bench/gpu_lease.sh main PHASES # onnxruntime-gpu put together, the GPU tests, then
-#                                       # bench/gpu.py --phases PHASES; everything lands in $OUT
+#   bash bench/gpu_lease.sh main PHASES [QA_DIR]
+#                                       # onnxruntime-gpu put together, the GPU tests, then
+#                                       # bench/gpu.py --phases PHASES, then (with QA_DIR: a QA
+#                                       # model's manifest.json + tokenizer.json) bench/host_path.py
+#                                       # on 1-15 cores; everything lands in $OUT
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 WORK=/tmp/gpu
@@ -48,6 +51,12 @@ main)
   PYTHONUNBUFFERED=1 python3 bench/gpu.py --work $WORK --out "$OUT" --phases "$phases" --requests 1024 \
     2> "$OUT/gpu.log"
   tail -40 "$OUT/gpu.log"
+  if [ -n "${3:-}" ]; then
+    log "bench/host_path.py (the host path with a null engine, 1-15 server cores)"
+    python3 bench/host_path.py --model-dir "$3" --cores 1,4,8,15 --client-cpus 15 --duration 6 --warmup 2 \
+      --out "$OUT/host_path_gpu.json" --plot "$OUT/host_path_gpu.png" > "$OUT/host_path.log" 2>&1
+    tail -12 "$OUT/host_path.log"
+  fi
   ;;
 *)
   echo "usage: $0 part N | main [PHASES]" >&2

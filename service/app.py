@@ -58,6 +58,11 @@ class ServedModel:
     length_bounds: tuple[int, ...]
 
 
+def arrived(request: Request) -> float:
+    """When the request's first byte was handled (the body-limit middleware's stamp), monotonic."""
+    return getattr(request.state, "arrived", None) or time.monotonic()
+
+
 @dataclass
 class Timing:
     """Per-stage seconds, returned as x-*-time headers (milliseconds, as TEI does)."""
@@ -254,6 +259,8 @@ class BodyLimitMiddleware:
         self.bytes_in_flight = 0
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":  # a request's deadline counts from here (request.state.arrived)
+            scope.setdefault("state", {})["arrived"] = time.monotonic()
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_POSTS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -427,7 +434,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
 
     async def serve(request: Request, endpoint: str, work: Callable[[RequestState, Timing], Any]) -> Response:
         """Run one request: in-flight gauge, disconnect watch, error mapping, request metrics."""
-        timing = Timing()
+        timing = Timing(arrived(request))
         m = service.metrics
         if service.draining:
             m.failures.labels(endpoint, ShuttingDown.reason).inc()
@@ -435,7 +442,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         m.in_flight.labels(endpoint).inc()
         service.in_flight += 1
         streaming = False  # a stream leaves in_flight when its last event is sent
-        state = RequestState(deadline=float("inf"))
+        state = RequestState(deadline=float("inf"), started=timing.start)
         task = asyncio.ensure_future(work(state, timing))
         grace_over = asyncio.ensure_future(service.drain_expired.wait())
 
@@ -504,7 +511,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     @app.post("/v1/qa", response_model=QAResponse, responses=_ERRORS, tags=["tasks"])
     async def qa(body: QARequest, request: Request):
         """Answer a question from each document; long documents are read in overlapping windows."""
-        job = validate_qa(body, request.headers.get("x-request-timeout"), service.limits)
+        job = validate_qa(body, request.headers.get("x-request-timeout"), service.limits, arrived(request))
         model = service.model_for("qa", job.common.model)
 
         async def work(state: RequestState, timing: Timing):
@@ -542,7 +549,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["tasks"])
     async def classify(body: ClassifyRequest, request: Request):
         """Label each document; long documents: mean of the windows' logits, then softmax."""
-        job = validate_classify(body, request.headers.get("x-request-timeout"), service.limits)
+        job = validate_classify(body, request.headers.get("x-request-timeout"), service.limits, arrived(request))
         model = service.model_for("classify", job.common.model)
 
         async def work(state: RequestState, timing: Timing):
@@ -576,7 +583,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         """Summarize each document (truncated at the encoder's maximum; `usage.truncated` says so).
         With `stream: true`, server-sent events: `token` events `{"id", "text"}`, then `done`
         with the whole result, or `error` with the error shape."""
-        job = validate_summarize(body, request.headers.get("x-request-timeout"), service.limits)
+        job = validate_summarize(body, request.headers.get("x-request-timeout"), service.limits, arrived(request))
         model = service.model_for("summarize", job.common.model)
         max_new = job.max_new_tokens or min(128, model.info.max_new_tokens)
         if max_new > model.info.max_new_tokens:

@@ -45,8 +45,9 @@ log = logging.getLogger("longdoc.service")
 class RequestState:
     """Per request: its deadline (monotonic clock) and whether its client went away."""
 
-    def __init__(self, deadline: float):
+    def __init__(self, deadline: float, started: float | None = None):
         self.deadline = deadline
+        self.started = time.monotonic() if started is None else started  # its arrival, monotonic clock
         self.cancelled = False
 
     def is_done(self) -> bool:
@@ -217,7 +218,8 @@ class EncoderBatcher:
             async with asyncio.timeout(max(request.remaining(), 0.0)):
                 await asyncio.gather(*(s.future for s in seqs))
         except TimeoutError:  # its queued windows are skipped: request.is_done() is now true
-            raise DeadlineExceeded(f"deadline exceeded after {time.monotonic() - now:.3f} s") from None
+            raise DeadlineExceeded(f"deadline exceeded {time.monotonic() - request.started:.3f} s after the request "
+                                   f"arrived") from None
         finally:
             if any(not s.future.done() for s in seqs):  # cancelled/timed out: leave nothing behind
                 for s in seqs:

@@ -280,7 +280,7 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
     return text
 
 
-def _common(body: _Body, header_timeout: str | None, limits: Limits) -> Common:
+def _common(body: _Body, header_timeout: str | None, limits: Limits, arrived: float | None) -> Common:
     docs = [body.document] if body.document is not None else list(body.documents or [])
     if len(docs) > limits.max_documents:
         raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request")
@@ -298,22 +298,27 @@ def _common(body: _Body, header_timeout: str | None, limits: Limits) -> Common:
         timeout = limits.default_timeout_s
     if timeout > limits.max_timeout_s:
         raise InvalidRequest(f"timeout {timeout} s exceeds the server's maximum of {limits.max_timeout_s} s")
-    return Common(body.model, tuple(docs), time.monotonic() + timeout)
+    # the deadline counts from the request's arrival, as its client's clock does (not from here,
+    # after the body was read and parsed)
+    return Common(body.model, tuple(docs), (time.monotonic() if arrived is None else arrived) + timeout)
 
 
-def validate_qa(body: QARequest, header_timeout: str | None, limits: Limits) -> QAJob:
-    common = _common(body, header_timeout, limits)
+def validate_qa(body: QARequest, header_timeout: str | None, limits: Limits,
+                   arrived: float | None = None) -> QAJob:
+    common = _common(body, header_timeout, limits, arrived)
     question = check_text(body.question, "question", limits.max_document_bytes)
     return QAJob(common, question.strip(), body.top_k, body.max_answer_tokens)
 
 
-def validate_summarize(body: SummarizeRequest, header_timeout: str | None, limits: Limits) -> SummarizeJob:
+def validate_summarize(body: SummarizeRequest, header_timeout: str | None, limits: Limits,
+                   arrived: float | None = None) -> SummarizeJob:
     if body.stream and body.documents is not None and len(body.documents) > 1:
         raise InvalidRequest("stream: true takes a single document")
-    common = _common(body, header_timeout, limits)
+    common = _common(body, header_timeout, limits, arrived)
     return SummarizeJob(common, body.max_new_tokens, body.num_beams, body.length_penalty,
                         body.no_repeat_ngram_size, body.stream)
 
 
-def validate_classify(body: ClassifyRequest, header_timeout: str | None, limits: Limits) -> ClassifyJob:
-    return ClassifyJob(_common(body, header_timeout, limits), body.top_k)
+def validate_classify(body: ClassifyRequest, header_timeout: str | None, limits: Limits,
+                   arrived: float | None = None) -> ClassifyJob:
+    return ClassifyJob(_common(body, header_timeout, limits, arrived), body.top_k)

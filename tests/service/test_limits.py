@@ -205,3 +205,55 @@ def test_serve_flags(flag, field, value):
     cli.add_commands(parser.add_subparsers())
     s = cli.build_settings(parser.parse_args(["serve", "--model", "q=/m", flag, str(value)]))
     assert getattr(s, field) == value
+
+
+def test_the_deadline_counts_from_the_requests_arrival():
+    """X-Request-Timeout is the client's wait: a body that takes longer than the timeout to arrive
+    is past its deadline when it has arrived (504 at once, the message naming the time since the
+    request arrived), not given the whole timeout again from the moment it was parsed. The worker
+    never answers (held until the test ends), so only the deadline can end the request."""
+    import asyncio
+    import threading
+    import time
+
+    from longdoc.service.workers import FakeWorker
+    from tests.service.conftest import running_app
+
+    gate = threading.Event()
+    body = b'{"question": "where", "document": "the gold is here"}'
+
+    class Held(FakeWorker):  # answers its warm-up, then holds every run until the gate opens
+        def run(self, batch):
+            if self.warm:
+                gate.wait(30)
+            return super().run(batch)
+
+        def warmup(self):
+            super().warmup()
+            self.warm = True
+
+    def factory(name, directory, device, settings):
+        w = Held(name=name, task=str(directory))
+        w.warm = False
+        return w
+
+    async def go():
+        async with running_app(factory) as client:
+            async def slow_body():
+                yield body[:10]
+                await asyncio.sleep(0.6)  # the time under test: the body takes 0.6 s to arrive
+                yield body[10:]
+
+            start = time.monotonic()
+            r = await client.post("/v1/qa", content=slow_body(), headers={"content-type": "application/json",
+                                                                          "x-request-timeout": "0.5"})
+            return r, time.monotonic() - start
+
+    try:
+        r, waited = asyncio.run(go())
+    finally:
+        gate.set()
+    assert r.status_code == 504, r.text
+    assert waited < 0.9  # not 0.6 s of upload and then another 0.5 s in the queue
+    message = r.json()["error"]["message"]
+    assert "after the request arrived" in message or "tokenization" in message, message

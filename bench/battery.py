@@ -71,12 +71,9 @@ def start_server(threads: int, log_path: Path, env: dict[str, str] | None = None
     port = free_port()
     models = [f"--model={task}={ROOT / 'models' / task}" for task in ("qa", "classify", "summarize")]
     # body timeout 15 s (default 60): the hostile part's slow upload (20 s) must meet it while it
-    # trickles; queue 65536 tokens (default 262144): a 15 s overload on 2 cores fills it, and a
-    # request over 49152 tokens' cost is refused 413 (the default admits a 65536-token QA document,
-    # about 2x its tokens in half-overlapping windows); every other setting is the default
+    # trickles; every other setting is the default (the queue: 262144 tokens and max_queue_wait_s 10)
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--threads",
-                             str(threads), "--log-level", "warning", "--body-timeout-s", "15",
-                             "--max-queue-tokens", "65536", *models],
+                             str(threads), "--log-level", "warning", "--body-timeout-s", "15", *models],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env=dict(os.environ, **(env or {})))
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve (log: {log_path})")

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import load  # noqa: E402  (bench/load.py: start_server, make_document)
 
-SHAPE = dict(d_model=512, encoder_layers=4, decoder_layers=4, encoder_attention_heads=8, decoder_attention_heads=8,
+SHAPE = dict(d_model=512, encoder_layers=2, decoder_layers=4, encoder_attention_heads=8, decoder_attention_heads=8,
              encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=4096, block_size=64,
              num_random_blocks=3, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 

@@ -119,7 +119,8 @@ class Service:
                 for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
                     extra.close()
                 engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
-                                         small_share=s.small_request_share, endpoint=info.task)
+                                         small_share=s.small_request_share, endpoint=info.task,
+                                         max_queue_wait_s=s.max_queue_wait_s)
                 devices = [s.devices[0]]
             else:
                 policy = BatchingPolicy(
@@ -131,7 +132,8 @@ class Service:
                 )
                 engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
                                         pad_id=int(info.special_tokens.get("pad") or 0),
-                                        small_share=s.small_request_share, endpoint=info.task)
+                                        small_share=s.small_request_share, endpoint=info.task,
+                                        max_queue_wait_s=s.max_queue_wait_s)
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))

@@ -162,6 +162,10 @@ def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: i
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
                          f"(limit {budget.max_tokens}, small requests {budget.reserve} of them)",
                          rate.retry_after(queued + cost))
+    wait = rate.seconds(queued + cost)
+    if queued and wait > budget.max_wait_s:  # an empty queue always takes one request, however long
+        raise Overloaded(f"model {model} has {queued} tokens queued: this request would wait about "
+                         f"{wait:.1f} s (limit {budget.max_wait_s:g} s)", rate.retry_after(queued + cost))
 
 
 def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:
@@ -171,14 +175,15 @@ def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:
 
 class EncoderBatcher:
     def __init__(self, model: str, slots: list[WorkerSlot], policy: BatchingPolicy, metrics: Metrics,
-                 max_queue_tokens: int, pad_id: int, small_share: float = 0.25, *, endpoint: str):
+                 max_queue_tokens: int, pad_id: int, small_share: float = 0.25, *, endpoint: str,
+                 max_queue_wait_s: float = math.inf):
         self.model = model
         self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
         metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
         self.slots = slots
         self.policy = policy
         self.metrics = metrics
-        self.budget = QueueBudget(max_queue_tokens, small_share)
+        self.budget = QueueBudget(max_queue_tokens, small_share, max_queue_wait_s)
         self.pad_id = pad_id
         self.rate = DrainRate()  # for Retry-After
         self._wake = asyncio.Event()
@@ -361,7 +366,8 @@ class DecodeJob:
 
 class DecodeScheduler:
     def __init__(self, model: str, slot: WorkerSlot, metrics: Metrics, max_decode_batch: int,
-                 max_queue_tokens: int, small_share: float = 0.25, *, endpoint: str):
+                 max_queue_tokens: int, small_share: float = 0.25, *, endpoint: str,
+                 max_queue_wait_s: float = math.inf):
         self.model = model
         self.endpoint = endpoint  # the task this model serves, for longdoc_input_tokens_total
         metrics.input_tokens.labels(model, endpoint)  # exported from 0 on
@@ -369,7 +375,7 @@ class DecodeScheduler:
         self.slots = [slot]
         self.metrics = metrics
         self.max_decode_batch = max_decode_batch
-        self.budget = QueueBudget(max_queue_tokens, small_share)
+        self.budget = QueueBudget(max_queue_tokens, small_share, max_queue_wait_s)
         self.rate = DrainRate()  # tokens leaving `pending` per second, for Retry-After
         self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.pending: list[DecodeJob] = []

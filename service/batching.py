@@ -182,10 +182,13 @@ class QueueBudget:
     - a large request (cost > reserve) is admitted while `queued + cost <= max_request_tokens`;
     - a small request (cost <= reserve) is admitted while `queued + cost <= max_tokens`.
 
-    So one large request can never fill the queue: small requests always find the reserve."""
+    So one large request can never fill the queue: small requests always find the reserve.
+    `max_wait_s` bounds the queue in time as well (`admit`, service/batcher.py): once the drain rate
+    is measured, a request that would wait longer than that behind the queued tokens gets 429."""
 
     max_tokens: int
     small_share: float = 0.25
+    max_wait_s: float = math.inf
 
     @property
     def reserve(self) -> int:
@@ -211,6 +214,10 @@ class DrainRate:
     def observe(self, tokens: int, seconds: float) -> None:
         rate = tokens / max(seconds, 1e-6)
         self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+
+    def seconds(self, tokens: int) -> float:
+        """Seconds for `tokens` to drain at the measured rate (0 while nothing is measured)."""
+        return tokens / self.tokens_per_s if self.tokens_per_s else 0.0
 
     def retry_after(self, tokens: int) -> int:
         """Whole seconds until `tokens` more have drained, in [1, 60]; 60 while nothing has been

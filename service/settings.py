@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1, description="sequences per batch")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits to fill up")
     max_queue_tokens: int = Field(262144, ge=1, description="queued tokens per model before 429")
+    # the same queue bounded in time: at the measured drain rate, a request that would wait longer
+    # gets 429 with an honest Retry-After (docs/service.md, "Admission and fairness")
+    max_queue_wait_s: float = Field(10.0, gt=0, description="seconds a request may wait in a model's queue "
+                                                            "before 429 (at the measured drain rate)")
     # the share of max_queue_tokens that only small requests may fill (docs/service.md, "Admission
     # and fairness"); a request over the rest is refused with 413
     small_request_share: float = Field(

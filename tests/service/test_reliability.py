@@ -52,6 +52,26 @@ def test_admission_charges_the_whole_cost_and_estimates_the_wait():
     assert exc.value.headers["Retry-After"] == "10"  # 9000 queued + 1000 must drain
 
 
+def test_admission_bounds_the_wait_in_seconds():
+    """Issue 29: the queue is bounded in time too. At the measured drain rate, a request that would
+    wait longer than max_wait_s behind the queue gets 429 with the wait as Retry-After, although its
+    tokens fit; an empty queue always takes one request; before any measurement only the token
+    budget applies."""
+    from longdoc.service.batcher import admit
+    from longdoc.service.batching import DrainRate, QueueBudget
+    from longdoc.service.errors import Overloaded
+
+    budget = QueueBudget(1 << 20, small_share=0.25, max_wait_s=10.0)
+    rate = DrainRate()
+    admit("m", budget, rate, queued=500_000, cost=1000)  # nothing measured yet: tokens alone decide
+    rate.observe(1000, 1.0)  # 1000 tokens/s
+    admit("m", budget, rate, queued=8000, cost=2000)  # 10 s: admitted
+    with pytest.raises(Overloaded, match="would wait about 11.0 s") as exc:
+        admit("m", budget, rate, queued=9000, cost=2000)
+    assert exc.value.headers["Retry-After"] == "11"
+    admit("m", budget, rate, queued=0, cost=50_000)  # 50 s alone: an empty queue takes it
+
+
 def test_a_request_over_the_queue_budget_gets_413_not_a_lockout():
     async def go():
         async with running_app(fake_factory(), max_queue_tokens=4000) as c:
@@ -267,7 +287,7 @@ def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_d
     from tests.service.test_e2e import metric, text_of
 
     args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
-            "--shutdown-grace-s", "1", "--max-queue-tokens", "100000000"]
+            "--shutdown-grace-s", "1", "--max-queue-tokens", "100000000", "--max-queue-wait-s", "1000"]
     with ServeProcess(args, tmp_path / "serve.log", env={"LONGDOC_MAX_DECODE_BATCH": "1"}) as s:
         docs = [text_of(3000, seed=i) for i in range(16)]
         qa, streams = {}, {}
@@ -401,7 +421,7 @@ def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_
     from tests.service.test_e2e import metric, text_of
 
     args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
-            "--shutdown-grace-s", "60", "--max-queue-tokens", "100000000"]
+            "--shutdown-grace-s", "60", "--max-queue-tokens", "100000000", "--max-queue-wait-s", "1000"]
     log_path = tmp_path / "serve.log"
     with ServeProcess(args, log_path, env={"LONGDOC_MAX_DECODE_BATCH": "1"}) as s:
         docs = [text_of(3000, seed=i) for i in range(16)]

@@ -267,6 +267,7 @@ def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num
     sentence for every page has ROUGE but no reading)."""
     from longdoc.export.generation import generate, generated_tokens, settings_for
     from longdoc.export.windows import summarize_window
+    from longdoc.model.tokenization import summary_text
 
     systems = {"lead": lead, "lead-description": lead_description}
     names = [name for name in ["model", *systems] if name != "model" or model is not None]
@@ -284,7 +285,7 @@ def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num
             ids, cut = summarize_window(doc, model.manifest.max_length, special, model.manifest.summarize_input)
             settings = settings_for(model.manifest, max_new_tokens=max_new_tokens, num_beams=num_beams)
             out = generate(model, np.array([ids]), np.ones((1, len(ids)), np.int64), settings=settings)[0]
-            outputs = {"model": tok.decode(generated_tokens(out, settings)), **outputs}
+            outputs = {"model": summary_text(tok, generated_tokens(out, settings)), **outputs}
             row["document_tokens"] = len(doc)
             if cut:
                 subsets.append("beyond-window")

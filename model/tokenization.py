@@ -15,6 +15,7 @@ the vocabulary's conventional texts. `decoder_start` comes from `config.json`, e
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -211,3 +212,35 @@ def summarize_window(doc_ids, max_length: int, special_tokens, template: str = "
     prefix = [] if name is None else [int(special_tokens[name])]
     keep = max_length - 1 - len(prefix)
     return [*prefix, *doc_ids[:keep], int(special_tokens["eos"])], len(doc_ids) > keep
+
+
+# --- summary text ----------------------------------------------------------------------------------
+_SPACED_HYPHEN = re.compile(r"(?<=\w) - (?=\w)")
+
+
+def summary_text(tokenizer, ids) -> str:
+    """A summary's text: the tokenizer's decoding, with the hyphens that WordPiece decoding spaces
+    out joined again ("current - based" -> "current-based"; the tokenizer splits "-" off as a token
+    of its own and its decoder puts a space on each side). A summary is a page's one-line
+    description, so a spaced dash between two words inside it is a hyphen; a dangling " -" at its
+    end is dropped. The service (plain and streamed) and `longdoc eval` write summaries with this
+    one function."""
+    text = _SPACED_HYPHEN.sub("-", tokenizer.decode(list(ids)))
+    return text[:-2] if text.endswith(" -") else text
+
+
+class SummaryStream:
+    """A summary's text as its tokens come: `add(id)` returns the new text. `summary_text` holds a
+    trailing " -" back (the next token may make it a hyphen), so what was returned is never taken
+    back and the pieces concatenate to `summary_text` of the tokens so far (`sent`)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = summary_text(self.tokenizer, self.ids)
+        if not text.startswith(self.sent):  # the decoding rewrote earlier text: wait until it settles
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta

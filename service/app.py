@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from longdoc import __version__
 from longdoc.export import windows as W
 from longdoc.model.search import resolve_settings
+from longdoc.model.tokenization import SummaryStream, summary_text
 from longdoc.service import host as H
 from longdoc.service.access import AccessControl, AccessMiddleware
 from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
@@ -620,7 +621,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 ), model, n_tokens
             generated = await asyncio.gather(*(_collect(s) for s in streams))
             timing.inference = time.monotonic() - t
-            out = [{"summary": tok.decode(g), "generated_tokens": len(g),
+            out = [{"summary": summary_text(tok, g), "generated_tokens": len(g),
                     "usage": {"tokens": n, "windows": 1, "truncated": trunc}}
                    for g, (_, n, trunc) in zip(generated, prepared)]
             return JSONResponse({"model": model.info.name, "results": out}), model, n_tokens
@@ -666,7 +667,7 @@ async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, mo
     `stream_keepalive_s` without a token (a beam search sends nothing until it ends), which also
     finds a client that went away (the write fails) so that the search stops."""
     ids: list[int] = []
-    text = ""
+    text = SummaryStream(tokenizer)
     grace_over = asyncio.ensure_future(service.drain_expired.wait())
     pending = None  # the next item of `it`, being awaited
     try:
@@ -688,10 +689,8 @@ async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, mo
                     yield ": keep-alive\n\n"
                     continue
             ids.append(item)
-            new = tokenizer.decode(ids)
-            delta, text = new[len(text):], new
-            yield f"event: token\ndata: {json.dumps({'id': item, 'text': delta})}\n\n"
-        result = {"summary": tokenizer.decode(ids), "generated_tokens": len(ids), "usage": usage}
+            yield f"event: token\ndata: {json.dumps({'id': item, 'text': text.add(item)})}\n\n"
+        result = {"summary": summary_text(tokenizer, ids), "generated_tokens": len(ids), "usage": usage}
         yield f"event: done\ndata: {json.dumps({'model': model.info.name, 'results': [result]})}\n\n"
     except ServiceError as exc:
         service.metrics.failures.labels("summarize", exc.reason).inc()

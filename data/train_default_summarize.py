@@ -145,6 +145,18 @@ def build_init(out_dir: str | Path = INIT["pegasus"]) -> Path:
 COPY_PREFIX = "first sentence of the description:\n"
 
 
+def package_train_file(corpus_dir: str | Path) -> Path:
+    """The package-disjoint split's training pairs (issue 27, data/build_manpages.py step 5b): every
+    page of every package of data/packages.txt, i.e. the page-level train and test files together,
+    written once to summarize_pkg-train.jsonl. No page of a pkg-validation or pkg-test package is in it."""
+    corpus_dir = Path(corpus_dir)
+    out = corpus_dir / "summarize_pkg-train.jsonl"
+    parts = [corpus_dir / "summarize_train.jsonl", corpus_dir / "summarize_test.jsonl"]
+    if not out.exists() or out.stat().st_mtime < max(p.stat().st_mtime for p in parts):
+        out.write_text("".join(p.read_text() for p in parts))
+    return out
+
+
 def build_mix(train: str | Path, out: str | Path) -> Path:
     """NAME pairs plus one auxiliary pair per page: (COPY_PREFIX + page, first sentence of its
     DESCRIPTION). The auxiliary target is what the lead-description baseline outputs; learning to
@@ -308,7 +320,7 @@ SHIP_GENERATION = {"bert2bert": {"forced_eos_token_id": 102, "no_repeat_ngram_si
 
 
 def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8", corpus: str = "broad",
-         generation: dict | None = None) -> None:
+         generation: dict | None = None, split: str = "page") -> None:
     """checkpoint -> shrunk vocabulary (data/cache/ship/summarize) with the generation defaults
     (`SHIP_GENERATION`, then `generation`) -> `longdoc export` -> fp16 embedding tables
     (H's data.ship_model.shrink_embedding_tables) -> LICENSE files."""
@@ -320,7 +332,8 @@ def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8", corpus
     staged = DATA_DIR / "cache" / "ship" / "summarize"
     if staged.exists():
         shutil.rmtree(staged)
-    kept = shrink_vocabulary(checkpoint, staged, (f"{CORPUS[corpus]}/summarize_train.jsonl",))
+    train_file = package_train_file(CORPUS[corpus]) if split == "package" else f"{CORPUS[corpus]}/summarize_train.jsonl"
+    kept = shrink_vocabulary(checkpoint, staged, (train_file,))
     print(f"vocabulary: {len(kept)} of 30522 word pieces kept")
     arch = "bert2bert" if json.loads((staged / "config.json").read_text())["model_type"] == "encoder-decoder" else "pegasus"
     settings = {**SHIP_GENERATION[arch], **(generation or {})}
@@ -362,19 +375,25 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="int8", help="export dtype (default: %(default)s)")
         p.add_argument("--corpus", choices=sorted(CORPUS), default="broad",
                        help="the corpus it was trained on: vocabulary and licenses (default: %(default)s)")
+        p.add_argument("--split", choices=("page", "package"), default="page",
+                       help="the split it was trained on (its training pages give the vocabulary) (default: %(default)s)")
         p.add_argument("--no-repeat-ngram-size", type=int, default=None,
                        help="generation default written into the manifest (default: SHIP_GENERATION's, "
                             "3 for bert2bert, unset for pegasus; 0 = off)")
         a = p.parse_args(argv[1:])
         extra = {} if a.no_repeat_ngram_size is None else {"no_repeat_ngram_size": a.no_repeat_ngram_size}
-        ship(a.checkpoint, a.output, a.dtype, a.corpus, extra)
+        ship(a.checkpoint, a.output, a.dtype, a.corpus, extra, a.split)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", choices=ARCHS, default="bert2bert", help="model to train (default: %(default)s)")
     parser.add_argument("--corpus", choices=sorted(CORPUS), default="broad",
                         help="training pages: broad = data/cache/manpages-broad (python -m data.build_manpages "
                              "--corpus broad), manpages = the two-package set (default: %(default)s)")
-    parser.add_argument("--train", default=None, help="training JSONL (default: the corpus' summarize_train.jsonl)")
+    parser.add_argument("--split", choices=("page", "package"), default="page",
+                        help="page: the page-level split's train part (summarize_train.jsonl); package: the package-"
+                             "disjoint split's (every page of data/packages.txt; its validation and test packages are "
+                             "those of data/packages-heldout.txt) (default: %(default)s)")
+    parser.add_argument("--train", default=None, help="training JSONL (default: the --split's train part)")
     parser.add_argument("--eval", default=None, help="eval-loss JSONL, only at the end (default: none)")
     parser.add_argument("--output", default=None,
                         help="run folder (default: data/cache/runs/summarize-b2b, or .../summarize for pegasus)")
@@ -400,7 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", action="store_true",
                         help="add the first-DESCRIPTION-sentence task (build_mix) to the NAME pairs (default: off)")
     args = parser.parse_args(argv)
-    train_file = args.train or f"{CORPUS[args.corpus]}/summarize_train.jsonl"
+    if args.split == "package" and args.corpus != "broad":
+        parser.error("--split package needs --corpus broad")
+    train_file = args.train or str(package_train_file(CORPUS[args.corpus]) if args.split == "package"
+                                   else f"{CORPUS[args.corpus]}/summarize_train.jsonl")
     if args.mix:
         train_file = str(build_mix(train_file, Path(train_file).with_name("summarize_mix_train.jsonl")))
 

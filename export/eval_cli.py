@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+from pathlib import Path
 
 
 def add_commands(subparsers) -> None:
@@ -41,7 +44,14 @@ def run_eval(args: argparse.Namespace) -> int:
           f"{report.seconds:.0f} s")
     print(report.table())
     if args.json:
+        from importlib.metadata import version
+
+        # the command as typed (a figure in the docs names the command that measured it) and what scored it
+        command = shlex.join(["longdoc", *sys.argv[1:]]) if Path(sys.argv[0]).name == "longdoc" else None
+        metric = {"summarize": f"rouge-score {version('rouge-score')}, use_stemmer=True, F1",
+                  "qa": "SQuAD v1.1 exact match / token F1", "classify": "accuracy"}[report.task]
         with open(args.json, "w") as f:
             json.dump({"task": report.task, "model": report.model, "data": report.data, "examples": report.examples,
-                       "seconds": report.seconds, "rows": report.rows, "predictions": predictions}, f, indent=1)
+                       "limit": args.limit, "command": command, "metric": metric, "seconds": report.seconds,
+                       "rows": report.rows, "predictions": predictions}, f, indent=1)
     return 0

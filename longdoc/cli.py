@@ -17,7 +17,7 @@ _COMMAND_MODULES = ("longdoc.service.cli", "longdoc.export.cli", "longdoc.export
 EXTRAS = {"torch": "torch", "onnx": "torch", "safetensors": "torch",
           "transformers": "dev", "onnxruntime": "serve", "fastapi": "serve", "uvicorn": "serve",
           "pydantic": "serve", "pydantic_settings": "serve", "prometheus_client": "serve",
-          "fastapi_offline": "serve"}
+          "fastapi_offline": "serve", "rouge_score": "torch"}
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -281,3 +281,62 @@ def test_summary_pair_needs_a_one_line_summary():
     assert B.summary_pair(page(run_on)) is None
     at_limit = PAGE.replace("demo - open and possibly frobnicate a file", "demo - " + " ".join(["word"] * B.MAX_SUMMARY_WORDS))
     assert len(B.summary_pair(page(at_limit))["summary"].split()) == B.MAX_SUMMARY_WORDS
+
+
+@pytest.mark.skipif(shutil.which("groff") is None or shutil.which("dpkg-deb") is None, reason="groff or dpkg-deb not installed")
+def test_package_disjoint_split_keeps_a_package_on_one_side(tmp_path):
+    """Issue 27: the held-out packages (packages-heldout.txt beside the package list) make the
+    package-disjoint validation and test parts; a page they share with a listed package stays the
+    listed package's, the page-level files are what they are without them, and --reuse-pages adds
+    held-out packages to an earlier build."""
+    debs = tmp_path / "cache" / "debs"
+    debs.mkdir(parents=True)
+    body = "This fixture page describes a tool at enough length for the builder to keep it. " * 4
+    make_deb(debs, "alpha", "1.0-1", {"tool.1": ("the alpha tool", body), "shared.1": ("alpha's copy", body)})
+    make_deb(debs, "zeta", "1.0-1", {"zetad.8": ("the zeta daemon", body), "zetactl.1": ("control zeta", body)})
+    make_deb(debs, "delta", "3.0-1", {"delta.1": ("the delta tool", body), "shared.1": ("delta's copy", body)})
+    plist = tmp_path / "packages.txt"
+    plist.write_text("# group A\nalpha\n")
+    common = ["--corpus", "broad", "--packages", str(plist), "--cache", str(tmp_path / "cache"), "--no-stats", "--jobs", "2"]
+    # without a held-out list: the page-level build alone
+    assert B.main([*common, "--out", str(tmp_path / "plain"), "--meta", str(tmp_path / "plain.json")]) == 0
+    assert not (tmp_path / "plain" / "summarize_pkg-test.jsonl").exists()
+    assert "package_split" not in json.loads((tmp_path / "plain.json").read_text())
+
+    (tmp_path / "packages-heldout.txt").write_text("# held out\nzeta\ndelta\n")
+    out, meta_path = tmp_path / "out", tmp_path / "meta.json"
+    assert B.main([*common, "--out", str(out), "--meta", str(meta_path)]) == 0
+    meta = json.loads(meta_path.read_text())
+    assert B.package_part_of("zeta", {"zeta"}) == "pkg-validation" and B.package_part_of("delta", {"delta"}) == "pkg-test"
+    assert B.package_part_of("alpha", {"zeta"}) == "pkg-train"
+    split = meta["package_split"]
+    assert split["parts"]["pkg-validation"] == {"packages": ["zeta"], "pages": 2}
+    assert split["parts"]["pkg-test"] == {"packages": ["delta"], "pages": 1}  # delta's shared.1 is alpha's
+    assert split["packages"]["delta"]["part"] == "pkg-test" and split["packages"]["delta"]["pages"] == 1
+    assert meta["duplicates"]["dropped"][-1] == {"page": "shared.1", "package": "delta", "rule": "same name",
+                                                "kept_page": "shared.1", "kept_package": "alpha"}
+
+    def pages_of(path):
+        return {json.loads(line)["page"] for line in path.read_text().splitlines()}
+
+    assert pages_of(out / "summarize_pkg-validation.jsonl") == {"zetad.8", "zetactl.1"}
+    assert pages_of(out / "summarize_pkg-test.jsonl") == {"delta.1"}
+    assert pages_of(out / "qa_pkg-test.jsonl") == {"delta.1"}
+    # the page-level split is the same with the held-out packages as without them
+    for name in ("summarize_train.jsonl", "summarize_test.jsonl", "qa_train.jsonl", "qa_test.jsonl"):
+        assert (out / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    assert meta["counts"] == json.loads((tmp_path / "plain.json").read_text())["counts"]
+    rows = [json.loads(line) for line in (out / "pages.jsonl").read_text().splitlines()]
+    train_packages = {r["package"] for r in rows if r["package_split"] == "pkg-train"}
+    for part in ("pkg-validation", "pkg-test"):
+        assert not train_packages & {r["package"] for r in rows if r["package_split"] == part}
+    assert all(r["split"] is None for r in rows if r["package"] in ("zeta", "delta"))
+
+    # --reuse-pages on the plain build reads the held-out packages it lacks: the same data sets
+    shutil.copy(tmp_path / "plain.json", tmp_path / "reused.json")
+    (tmp_path / "reused").mkdir()
+    shutil.copy(tmp_path / "plain" / "pages.jsonl", tmp_path / "reused" / "pages.jsonl")
+    assert B.main([*common, "--out", str(tmp_path / "reused"), "--meta", str(tmp_path / "reused.json"), "--reuse-pages"]) == 0
+    assert json.loads((tmp_path / "reused.json").read_text())["package_split"] == split
+    for f in out.iterdir():
+        assert (tmp_path / "reused" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -125,3 +125,16 @@ def test_shipped_summarizer_reads_held_out_pages():
         assert word in got[name].split(), (name, got[name])
     # one answer for every page (the earlier default wrote 18 phrases for 108 pages) fails here
     assert len(set(got.values())) == len(got), got
+
+
+def test_package_split_trains_on_every_page_of_the_listed_packages(tmp_path):
+    """Issue 27: `--split package` trains on the page-level train and test files together (every page
+    of data/packages.txt); the held-out packages' pkg-validation / pkg-test files are not read."""
+    from data.train_default_summarize import package_train_file
+
+    (tmp_path / "summarize_train.jsonl").write_text('{"id": "ls.1"}\n')
+    (tmp_path / "summarize_test.jsonl").write_text('{"id": "open.2"}\n')
+    (tmp_path / "summarize_pkg-test.jsonl").write_text('{"id": "tor.1"}\n')
+    out = package_train_file(tmp_path)
+    assert out == tmp_path / "summarize_pkg-train.jsonl"
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["ls.1", "open.2"]

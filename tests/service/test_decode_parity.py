@@ -71,6 +71,30 @@ def make_worker(request, monkeypatch):
     return make
 
 
+async def scheduled(worker, docs: list[list[int]], requests: list[dict], reads: tuple[int, ...]) -> list[list[int]]:
+    """Each request's tokens from a DecodeScheduler over `worker`: request i (its settings over the
+    model's defaults) is submitted once `reads[i - 1]` tokens of the one before it were read, so
+    they join the decoding batch at different steps (a beam search waits for the batch, then runs
+    alone)."""
+    scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
+                                max_queue_tokens=1 << 20, endpoint="summarize")
+    scheduler.start()
+    state = RequestState(deadline=time.monotonic() + 120)
+    try:
+        streams = []
+        for ids, options, read in zip(docs, requests, reads):
+            stream = (await scheduler.submit(ids, resolve_settings(worker.info.generation, **options),
+                                             state)).__aiter__()
+            streams.append(([await stream.__anext__() for _ in range(read)], stream))
+
+        async def rest(head, stream):
+            return head + [t async for t in stream]
+
+        return await asyncio.gather(*(rest(head, stream) for head, stream in streams))
+    finally:
+        await scheduler.close()
+
+
 def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_options_dir):
     worker = make_worker(tiny_summarize_options_dir)
     model = worker.model
@@ -88,32 +112,7 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
     plain = [reference(model, ids, **{**unset, **options}) for ids, options in zip(docs, requests)]
     assert sum(p != w for p, w in zip(plain, want)) >= 2
 
-    async def go():
-        scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
-                                    max_queue_tokens=1 << 20, endpoint="summarize")
-        scheduler.start()
-        state = RequestState(deadline=time.monotonic() + 120)
-        try:
-            streams = []
-
-            async def submit(i: int, read: int):  # then read `read` tokens before the next one joins
-                stream = (await scheduler.submit(docs[i], resolve_settings(worker.info.generation, **requests[i]),
-                                                 state)).__aiter__()
-                streams.append(([await stream.__anext__() for _ in range(read)], stream))
-
-            await submit(0, 2)
-            await submit(1, 1)
-            await submit(2, 0)
-            await submit(3, 0)  # beam search: waits for the running batch, then runs alone
-
-            async def rest(head, stream):
-                return head + [t async for t in stream]
-
-            return await asyncio.gather(*(rest(head, stream) for head, stream in streams))
-        finally:
-            await scheduler.close()
-
-    got = asyncio.run(go())
+    got = asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0)))
     assert got == want
     assert sizes[:2] == [1, 1] and {2, 3} <= set(sizes)  # joined at different steps, shared steps
 

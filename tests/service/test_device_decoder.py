@@ -21,7 +21,7 @@ from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.metrics import Metrics
 from longdoc.service.regroup import Regroup, concat_graph, take_graph
 from longdoc.service.workers import FakeWorker, OnnxWorker
-from tests.service.test_decode_parity import document_ids, reference, text_of
+from tests.service.test_decode_parity import document_ids, reference, scheduled, text_of
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
 
 FAMILIES = ("pegasus", "led", "bert2bert")
@@ -156,26 +156,7 @@ def test_scheduler_tokens_are_the_reference_searchs(summarizer, overlap):
                 dict(max_new_tokens=8, num_beams=3)]
     want = [reference(model, ids, **options) for ids, options in zip(docs, requests)]
 
-    async def go():
-        scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
-                                    max_queue_tokens=1 << 20, endpoint="summarize")
-        scheduler.start()
-        state = RequestState(deadline=time.monotonic() + 120)
-        try:
-            streams = []
-            for i, read in ((0, 2), (1, 1), (2, 0), (3, 0)):
-                stream = (await scheduler.submit(docs[i], resolve_settings(worker.info.generation, **requests[i]),
-                                                 state)).__aiter__()
-                streams.append(([await stream.__anext__() for _ in range(read)], stream))
-
-            async def rest(head, stream):
-                return head + [t async for t in stream]
-
-            return await asyncio.gather(*(rest(head, stream) for head, stream in streams))
-        finally:
-            await scheduler.close()
-
-    assert asyncio.run(go()) == want
+    assert asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0))) == want
     assert worker.decoder._batch is None and worker.decoder.regroups >= 2
 
 

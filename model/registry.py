@@ -250,3 +250,17 @@ register(Architecture(
     encoder_config=_nested_encoder, summarize_input="cls-doc-eos",
     train_tasks=("summarize",), dropout=encoder_decoder_dropout,
 ))
+
+# ModernBERT: alternating sliding-window (band) and full attention layers. Not exported yet
+# (per-layer layouts, issue 28): its lowering refuses (longdoc.export.registry); no training.
+register(Architecture(
+    model_type="modernbert", module="longdoc.model.modernbert", config_class="ModernBertConfig",
+    classes={"ModernBertModel": "ModernBertModel", "ModernBertForMaskedLM": "ModernBertForMaskedLM",
+             "ModernBertForSequenceClassification": "ModernBertForSequenceClassification",
+             "ModernBertForTokenClassification": "ModernBertForTokenClassification",
+             "ModernBertForQuestionAnswering": "ModernBertForQuestionAnswering"},
+    base_class="ModernBertModel",
+    tasks={"qa": "ModernBertForQuestionAnswering", "classify": "ModernBertForSequenceClassification",
+           "mlm": "ModernBertForMaskedLM"},
+    other_architectures={"ModernBertModel": None},
+))

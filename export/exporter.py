@@ -45,6 +45,8 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(model_type, str) or model_type not in LOWERINGS:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(LOWERINGS)})")
+    if LOWERINGS[model_type].not_implemented:
+        raise CheckpointError(f"{path}: {LOWERINGS[model_type].not_implemented}")
     unlowered = sorted({name for name in activations_of(config) if name not in LOWERED_ACTIVATIONS})
     if unlowered:
         raise CheckpointError(f"{path}: activation {', '.join(map(repr, unlowered))} cannot be exported (the export "

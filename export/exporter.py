@@ -62,6 +62,11 @@ def activations_of(config) -> list[str]:
             *(name for v in config.values() for name in activations_of(v))]
 
 
+def exportable_model_types(task: str) -> list[str]:
+    """The model types whose checkpoints export for `task` (records whose lowering is written)."""
+    return [t for t in model_types_for(task) if not LOWERINGS[t].not_implemented]
+
+
 def lowering_of(config: dict) -> Lowering:
     """The registry record of a config `read_config` accepted."""
     return LOWERINGS[config["model_type"]]
@@ -120,7 +125,7 @@ def task_of(config: dict, task: str) -> str:
     arch = architectures[0] if architectures else None
     if task not in record.tasks:
         raise CheckpointError(f"a {record.model_type} checkpoint exports as --task {' or '.join(record.tasks)}, "
-                              f"not {task!r} (--task {task} needs a {' or '.join(model_types_for(task))} checkpoint)")
+                              f"not {task!r} (--task {task} needs a {' or '.join(exportable_model_types(task))} checkpoint)")
     exports = record.exports()
     if arch is not None and arch not in exports:
         raise CheckpointError(f"architecture {arch!r} is not supported for {record.model_type} "

@@ -42,3 +42,12 @@ def test_the_refused_build_step_says_why_too():
 
 def test_every_other_architecture_exports():
     assert [t for t, lowering in LOWERINGS.items() if lowering.not_implemented] == ["modernbert"]
+
+
+def test_a_task_hint_names_only_exportable_model_types():
+    from longdoc.export.exporter import exportable_model_types
+    from longdoc.model.registry import model_types_for
+
+    assert "modernbert" in model_types_for("mlm")  # it has an MLM model ...
+    assert "modernbert" not in exportable_model_types("mlm")  # ... but no export to point a user to
+    assert exportable_model_types("mlm") == [t for t in model_types_for("mlm") if t != "modernbert"]

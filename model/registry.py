@@ -99,7 +99,7 @@ class Architecture:
     # the encoder's part of a config under BERT's names (hidden_size, num_attention_heads,
     # num_hidden_layers, max_position_embeddings) plus its attention keys
     encoder_config: Callable[[dict], dict] = _itself
-    windowed: bool = False  # Longformer attention (one window, global tokens per request), else block-sparse
+    windowed: bool = False  # Longformer attention (a window per layer, global tokens per request), else block-sparse
     # (config, encoder config, block size, attention) -> (min_length, max_length, full_attention_max_length)
     length_bounds: Callable[[dict, dict, int, str], tuple[int, int, int]] = block_sparse_lengths
     global_tokens: Mapping[str, str] = field(default_factory=dict)  # task -> the manifest's (default "none")

@@ -76,6 +76,12 @@ def add_commands(subparsers) -> None:
     v.set_defaults(func=_verify)
 
 
+def _windows(m) -> str:
+    """Longformer's attention_window as the manifest gives it: one number, or one per layer."""
+    windows = [2 * spec.get("band", m.block_size) for spec in m.layer_attention_specs()]
+    return str(windows[0]) if len(set(windows)) == 1 else str(windows)
+
+
 def _device(text: str) -> str:
     """`--device cuda:1` checked by the runtime's own parser (an argparse type)."""
     from longdoc.export.runtime import parse_device
@@ -113,7 +119,7 @@ def _export(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - start:.1f} s\n"
           f"  graphs: {', '.join(m.graphs.values())}; layers {m.num_layers}, heads {m.num_heads}, "
           f"hidden {m.hidden_size}\n"
-          + (f"  lengths {m.min_length}..{m.max_length}; attention longformer, window {2 * m.block_size} "
+          + (f"  lengths {m.min_length}..{m.max_length}; attention longformer, window {_windows(m)} "
              f"(padded to a multiple of {m.block_size}); global tokens: {m.global_tokens}"
              if m.global_tokens != "none" else
              f"  lengths {m.min_length}..{m.max_length}; attention full over every token (benchmark baseline, "

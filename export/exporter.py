@@ -141,12 +141,12 @@ def encoder_config(config: dict) -> dict:
     return lowering_of(config).model.encoder_config(config)
 
 
-def attention_dict(config: dict, plan: str) -> dict:
-    """The manifest's attention: the spec the PyTorch model builds from the same config (Longformer:
-    every layer's, one window for all)."""
+def layer_attention_dicts(config: dict, plan: str) -> list[dict]:
+    """Every encoder layer's attention spec over the export's one block size, as the manifest's
+    `layer_attention` holds it."""
     try:
-        return lowering_of(config).model.attention_spec(config, plan).to_dict()
-    except ValueError as exc:  # a window that differs between layers
+        return [spec.to_dict() for spec in lowering_of(config).model.layer_attention_specs(config, plan)]
+    except ValueError as exc:  # a bad window
         raise CheckpointError(str(exc)) from None
 
 
@@ -275,11 +275,13 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             labels = [id2label[str(i)] for i in range(len(id2label))]
         special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
         min_length, max_length, full_max = length_bounds(config, attention)
+        layers = layer_attention_dicts(config, plan)
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [record.tasks[task]])[0], dtype=dtype,
             graphs={name: f"{name}.onnx" for name in graphs},
             attention=(AttentionSpec(pattern="dense", block_size=bs).to_dict() if attention == "full"
-                       else attention_dict(config, plan)),
+                       else layers[0]),
+            layer_attention=None if attention == "full" or all(a == layers[0] for a in layers) else layers,
             num_layers=L, num_heads=H, hidden_size=E, block_size=bs, min_length=min_length, max_length=max_length,
             full_attention_max_length=full_max, labels=labels,
             global_tokens="none" if attention == "full" else record.global_tokens_of(task),

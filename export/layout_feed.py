@@ -17,8 +17,13 @@ def layout_feed(layouts, n_blocks: int) -> dict[str, np.ndarray]:
     for layout in layouts[1:]:
         if not np.array_equal(layout.global_rows, global_rows):
             raise ValueError("global rows differ between layers; the graph takes one global set")
-    key_blocks = np.stack([np.asarray(lay.key_blocks, dtype=np.int64) for lay in layouts])
-    valid = np.stack([np.asarray(lay.valid, dtype=bool) for lay in layouts])
+    # per-layer tables may differ in width (a Longformer window per layer): the narrower ones are
+    # padded with invalid slots (block 0), which the graph masks or slices away
+    K = max(lay.width for lay in layouts)
+    key_blocks = np.stack([np.pad(np.asarray(lay.key_blocks, dtype=np.int64), ((0, 0), (0, 0), (0, K - lay.width)))
+                           for lay in layouts])  # (L, H, nb, K)
+    valid = np.stack([np.pad(np.asarray(lay.valid, dtype=bool), ((0, 0), (0, 0), (0, K - lay.width)))
+                      for lay in layouts])  # (L, H, nb, K)
     return _feed(key_blocks, valid, np.flatnonzero(global_rows), n_blocks)
 
 

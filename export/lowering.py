@@ -31,9 +31,9 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
-                                             declare_layout_inputs, dense_attention, gather_tokens, longformer_context,
-                                             merge_heads, split_heads)
-from longdoc.model.layout import longformer_block_size
+                                             declare_layout_inputs, dense_attention, for_layer, gather_tokens,
+                                             longformer_context, merge_heads, split_heads)
+from longdoc.model.layout import longformer_block_size, longformer_layer_specs
 from longdoc.model.registry import led_window_config
 
 class Weights:
@@ -182,6 +182,12 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
 
 # --- Longformer encoder ----------------------------------------------------------------------
 
+def _windows(config: dict) -> str:
+    """attention_window as the graph's doc string gives it: one number, or one per layer."""
+    windows = [2 * spec.band for spec in longformer_layer_specs(config)]
+    return str(windows[0]) if len(set(windows)) == 1 else str(windows)
+
+
 def longformer_positions(g: GraphBuilder, ids: str, pad_token_id: int) -> str:
     """RoBERTa's position ids (longdoc.model.longformer.position_ids_from): (B, S) int64."""
     not_pad = g.op("Cast", [g.op("Not", [g.op("Equal", [ids, g.const(pad_token_id)])])], to=TensorProto.INT64)
@@ -218,6 +224,7 @@ def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str, at
 
     ctx = (attention_context(g, mask, bs, H, E // H, sparse=False) if full
            else longformer_context(g, mask, global_mask, bs, H, E // H))
+    specs = longformer_layer_specs(config)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -230,7 +237,7 @@ def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str, at
             global_qkv = tuple(g.linear(src, w[f"{lp}attention.self.{n}_global.weight"],
                                         w[f"{lp}attention.self.{n}_global.bias"], f"{n}_global")
                                for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
-            a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+            a = block_sparse_attention(g, q, k, v, i, for_layer(ctx, specs[i]), global_qkv)  # (B, S, E)
         x = _post_ln_layer_rest(g, w, lp, a, x, eps, act)
     g.scope = "head/"
     if task == "qa":
@@ -246,7 +253,7 @@ def build_longformer_encoder(w: Weights, config: dict, task: str, dtype: str, at
     else:
         raise ValueError(f"task {task!r}: a Longformer exports as qa or classify")
     return g.model(f"Longformer {task} encoder, " + ("full attention (benchmark baseline)" if full
-                                                     else f"window {2 * bs}"))
+                                                     else f"window {_windows(config)}"))
 
 
 # --- BigBird-Pegasus -----------------------------------------------------------------------
@@ -450,6 +457,7 @@ def build_led_encoder(w: Weights, config: dict, dtype: str):
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
     x = g.layer_norm(x, w[p + "layernorm_embedding.weight"], w[p + "layernorm_embedding.bias"], 1e-5, "emb_ln")
     ctx = longformer_context(g, mask, global_mask, bs, H, E // H)
+    specs = longformer_layer_specs(enc)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
@@ -458,7 +466,7 @@ def build_led_encoder(w: Weights, config: dict, dtype: str):
         x_glob = gather_tokens(g, x, ctx.global_tokens.index)  # (B, G, E)
         global_qkv = tuple(g.linear(src, w[f"{ap}{n}_global.weight"], w[f"{ap}{n}_global.bias"], f"{n}_global")
                            for src, n in ((x_glob, "query"), (x, "key"), (x, "value")))
-        a = block_sparse_attention(g, q, k, v, i, ctx, global_qkv)  # (B, S, E)
+        a = block_sparse_attention(g, q, k, v, i, for_layer(ctx, specs[i]), global_qkv)  # (B, S, E)
         a = g.linear(a, w[lp + "self_attn.output.weight"], w[lp + "self_attn.output.bias"], "attn_out")
         x = g.layer_norm(g.op("Add", [x, a]), w[lp + "self_attn_layer_norm.weight"], w[lp + "self_attn_layer_norm.bias"],
                          1e-5, "ln1")
@@ -470,7 +478,7 @@ def build_led_encoder(w: Weights, config: dict, dtype: str):
     lp = "led.decoder.layers.{}.encoder_attn."
     _cross_kv_outputs(g, w, x, [(lp.format(i) + "k_proj", lp.format(i) + "v_proj") for i in range(dims["dec_layers"])],
                       dims["dec_heads"], E // dims["dec_heads"])
-    return g.model(f"LED encoder, window {2 * bs}, with cross-attention keys/values")
+    return g.model(f"LED encoder, window {_windows(enc)}, with cross-attention keys/values")
 
 
 def build_led_decoder(w: Weights, config: dict, dtype: str):

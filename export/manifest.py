@@ -83,6 +83,9 @@ class Manifest:
     int8_weights: str = "per-tensor"
     # summarize: the encoder input's template (longdoc.model.tokenization.SUMMARIZE_INPUTS)
     summarize_input: str = "doc-eos"
+    # one AttentionSpec dict per encoder layer when the layers' attention differs (a Longformer's
+    # per-layer attention_window); None: every layer's is `attention`. See `layer_attention_specs`.
+    layer_attention: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -96,6 +99,10 @@ class Manifest:
     @property
     def per_token_outputs(self) -> frozenset[str]:
         return PER_TOKEN_OUTPUTS[self.task]
+
+    def layer_attention_specs(self) -> list[dict[str, Any]]:
+        """Each encoder layer's AttentionSpec dict: what the runtime builds the layout tables from."""
+        return list(self.layer_attention) if self.layer_attention is not None else [self.attention] * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,6 +214,14 @@ def validate(m: Manifest) -> list[str]:
         problems.append(f"global_tokens {m.global_tokens!r} is not one of {', '.join(GLOBAL_TOKENS)}")
     if not isinstance(m.attention, dict) or "pattern" not in m.attention:
         problems.append("attention must be an AttentionSpec dict with a 'pattern'")
+    if m.layer_attention is not None:
+        if not (isinstance(m.layer_attention, list) and all(isinstance(a, dict) and "pattern" in a
+                                                             for a in m.layer_attention)):
+            problems.append("layer_attention must be a list of AttentionSpec dicts or null")
+        elif len(m.layer_attention) != m.num_layers:
+            problems.append(f"layer_attention has {len(m.layer_attention)} entries for {m.num_layers} layers")
+        elif any(a.get("block_size") != m.block_size for a in m.layer_attention):
+            problems.append(f"every layer_attention block_size must be block_size {m.block_size}")
     if m.labels is not None and not (isinstance(m.labels, list) and all(isinstance(x, str) for x in m.labels)):
         problems.append("labels must be a list of strings or null")
     if m.task == "classify" and not m.labels:

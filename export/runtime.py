@@ -115,7 +115,9 @@ class OnnxModel:
         self._layout_cache_size = layout_cache_size
         from longdoc.model.layout import AttentionSpec  # NumPy only
 
-        self.attention_spec = AttentionSpec.from_dict(self.manifest.attention) if self.sparse else None
+        # one spec per encoder layer (the manifest's `layer_attention`, else `attention` for all)
+        self.layer_specs = ([AttentionSpec.from_dict(a) for a in self.manifest.layer_attention_specs()]
+                            if self.sparse else None)
         _release_freed_heap()
 
     # --- lengths and layouts ---------------------------------------------------------
@@ -140,8 +142,8 @@ class OnnxModel:
             if attention == "full":
                 feed = dense_layout_feed(m.num_layers, m.num_heads, nb)
             else:
-                feed = layout_feed([build_layout(self.attention_spec, nb, m.num_heads, layer)
-                                    for layer in range(m.num_layers)], nb)
+                feed = layout_feed([build_layout(spec, nb, m.num_heads, layer)
+                                    for layer, spec in enumerate(self.layer_specs)], nb)
             self._layouts[key] = feed
             if len(self._layouts) > self._layout_cache_size:
                 self._layouts.popitem(last=False)

@@ -24,6 +24,10 @@ things to the same sparse rows, and takes no `global_blocks` / `block_source` in
 
     band          keys more than `band` tokens from the query are removed inside the gathered
                   window blocks (a mask computed from the table, so any length works);
+    per layer     a window that differs between layers (attention_window [16, 32, 16]) runs over
+                  one block size b, the gcd of the layers' w: a layer of w = m b reads the first
+                  2 m + 1 slots of its table under a band of w (`for_layer`). The tables of all
+                  layers stack into one input, the narrower ones padded with invalid slots;
     global tokens `global_attention_mask` (B, S) graph input: TopK over the mask gives each row's
                   G global positions (G = the largest count in the batch, at least 1; padding
                   slots are masked). Every sparse row gets G extra key slots holding them (and
@@ -75,6 +79,7 @@ class AttentionContext:
     sparse: bool
     heads_per_group: int = 0  # 0 = all heads at once
     band: int = 0  # > 0: keys at most `band` tokens from the query count in sparse rows (Longformer)
+    slots: int = 0  # > 0: the layer reads only the first `slots` key blocks of each table row
     global_tokens: GlobalTokenInputs | None = None  # per-request global tokens (Longformer)
     layout_global_rows: bool = True  # the layout's global query blocks (`global_blocks` input)
     int8: str = "off"  # one of INT8_ATTENTION
@@ -143,6 +148,14 @@ def longformer_context(g: GraphBuilder, attention_mask: str, global_attention_ma
     local_blocks = g.op("Reshape", [g.to_float(local), g.const([0, -1, block_size])])  # (B, nb, bs)
     return replace(ctx, key_mask_blocks=local_blocks, band=block_size, global_tokens=tokens,
                    layout_global_rows=False)
+
+
+def for_layer(ctx: AttentionContext, spec) -> AttentionContext:
+    """The context of one layer whose `longformer` spec (`longdoc.model.layout.longformer_layer_specs`,
+    over ctx's block size) sets its band and its table width."""
+    if spec.block_size != ctx.block_size:
+        raise ValueError(f"layer spec block size {spec.block_size} is not the graph's {ctx.block_size}")
+    return replace(ctx, band=spec.band, slots=spec.window_blocks)
 
 
 def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
@@ -299,6 +312,9 @@ def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
     q = g.op("Mul", [q, g.fconst(scale)])
     key_blocks = g.op("Gather", ["layout_key_blocks", g.const(layer)], axis=0)  # (H, nb, K) this layer's table
     valid = g.op("Gather", ["layout_valid", g.const(layer)], axis=0)  # (H, nb, K)
+    if ctx.slots:  # this layer's window: the first `slots` columns (the stacked table may be wider)
+        key_blocks, valid = (g.op("Slice", [t, g.const([0]), g.const([ctx.slots]), g.const([2])])
+                             for t in (key_blocks, valid))  # (H, nb, min(K, slots))
 
     # Heads in groups, one group after another: the gathered keys/values, scores and
     # probabilities (each (B, h, nb, bs, K*bs), the activation peak) exist for one group at a time.

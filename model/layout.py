@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,13 +181,21 @@ def longformer_attention_specs(config) -> tuple[AttentionSpec, ...]:
 
 
 def longformer_block_size(config: dict) -> int:
-    """w = attention_window / 2, the window's block size and band. One window for every layer: a
-    per-layer window would need one layout table per block size, which the graph does not take."""
-    sizes = {spec.block_size for spec in longformer_attention_specs(config)}
-    if len(sizes) != 1:
-        raise ValueError(f"attention_window {config['attention_window']} differs between layers; the export takes "
-                         "one window for every layer (the PyTorch model, longdoc.model.longformer, runs it)")
-    return sizes.pop()
+    """The tokens per block of a Longformer export: the greatest common divisor of every layer's
+    w = attention_window / 2 (w itself when one window holds for every layer), so that one padded
+    length and one table shape serve every layer (`longformer_layer_specs`)."""
+    return math.gcd(*(spec.band for spec in longformer_attention_specs(config)))
+
+
+def longformer_layer_specs(config: dict) -> tuple[AttentionSpec, ...]:
+    """One spec per layer over the common block size b = `longformer_block_size`: a layer of
+    window w = m b attends 2 m + 1 blocks of b tokens under a band of w tokens, which holds exactly
+    the keys at most w tokens away, as 3 blocks of w do. One window for every layer gives
+    `longformer_attention_specs` itself (b = w, 3 blocks). The export's layout tables, graph band
+    and manifest read these."""
+    b = longformer_block_size(config)
+    return tuple(dataclasses.replace(spec, block_size=b, window_blocks=2 * (spec.band // b) + 1)
+                 for spec in longformer_attention_specs(config))
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from longdoc.model.layout import AttentionSpec, checkpoint_attention_spec, longformer_attention_specs, longformer_block_size
+from longdoc.model.layout import (AttentionSpec, checkpoint_attention_spec, longformer_attention_specs, longformer_block_size,
+                                 longformer_layer_specs)
 from longdoc.model.tokenization import SUMMARIZE_INPUTS
 
 # every task a model can be trained, exported and served for (a record lists its own)
@@ -64,8 +65,9 @@ def roberta_window_lengths(config: dict, enc: dict, block_size: int, attention: 
 def padded_window_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
     """LED: transformers pads the input to a multiple of attention_window (2w) and then looks up
     positions 0..padded-1 of the encoder's table: a length whose padding runs past the table cannot
-    run (1013 -> 1032 of 1024 with window 24)."""
-    return 1, int(enc["max_position_embeddings"]) // (2 * block_size) * (2 * block_size), 0
+    run (1013 -> 1032 of 1024 with window 24). Per-layer windows: transformers pads to the largest."""
+    window = max(2 * spec.band for spec in longformer_attention_specs(enc))
+    return 1, int(enc["max_position_embeddings"]) // window * window, 0
 
 
 def bert_dropout(config: dict, p: float) -> dict:
@@ -97,7 +99,7 @@ class Architecture:
     # the encoder's part of a config under BERT's names (hidden_size, num_attention_heads,
     # num_hidden_layers, max_position_embeddings) plus its attention keys
     encoder_config: Callable[[dict], dict] = _itself
-    windowed: bool = False  # Longformer attention (one window, global tokens per request), else block-sparse
+    windowed: bool = False  # Longformer attention (a window per layer, global tokens per request), else block-sparse
     # (config, encoder config, block size, attention) -> (min_length, max_length, full_attention_max_length)
     length_bounds: Callable[[dict, dict, int, str], tuple[int, int, int]] = block_sparse_lengths
     global_tokens: Mapping[str, str] = field(default_factory=dict)  # task -> the manifest's (default "none")
@@ -114,14 +116,22 @@ class Architecture:
 
     def block_size(self, config: dict) -> int:
         """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2
-        (ValueError: a window that differs between layers)."""
+        (per-layer windows: the greatest common divisor of the layers' w, `longformer_block_size`)."""
         enc = self.encoder_config(config)
         return longformer_block_size(enc) if self.windowed else int(enc.get("block_size", 64))
 
-    def attention_spec(self, config: dict, plan: str) -> AttentionSpec:
-        """The attention the PyTorch model builds from the config (Longformer: every layer's, one window)."""
+    def layer_attention_specs(self, config: dict, plan: str) -> tuple[AttentionSpec, ...]:
+        """Each encoder layer's attention over the export's one block size (`block_size`): the
+        tables the runtime builds per length and the graph's band read these."""
         enc = self.encoder_config(config)
-        return longformer_attention_specs(enc)[0] if self.windowed else checkpoint_attention_spec(enc, plan)
+        if self.windowed:
+            return longformer_layer_specs(enc)
+        return (checkpoint_attention_spec(enc, plan),) * int(enc["num_hidden_layers"])
+
+    def attention_spec(self, config: dict, plan: str) -> AttentionSpec:
+        """The first layer's attention (`layer_attention_specs`; the same for every layer unless
+        a Longformer's window differs between layers)."""
+        return self.layer_attention_specs(config, plan)[0]
 
     def lengths(self, config: dict, attention: str = "sparse") -> tuple[int, int, int]:
         """(min_length, max_length, full_attention_max_length): the lengths transformers runs on the

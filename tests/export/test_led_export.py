@@ -186,10 +186,7 @@ def test_fp16_export_logits_verify(led, tmp_path):
     assert [(c.what, c.length) for c in failed] == [("greedy tokens", 7)], report.summary()
 
 
-def test_per_layer_windows_and_int8_attention_are_refused(tmp_path):
-    checkpoint = make_tiny_led(tmp_path / "ck", attention_window=[16, 32])
-    with pytest.raises(CheckpointError, match="differs between layers"):
-        export_model(checkpoint, tmp_path / "out", "summarize", progress=quiet)
+def test_int8_attention_and_other_tasks_are_refused(tmp_path):
     checkpoint = make_tiny_led(tmp_path / "ck2")
     with pytest.raises(CheckpointError, match="Longformer's band and global tokens run in fp32"):
         export_model(checkpoint, tmp_path / "out", "summarize", dtype="int8", int8_attention="per-row",
@@ -197,6 +194,40 @@ def test_per_layer_windows_and_int8_attention_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="summarize"):
         export_model(checkpoint, tmp_path / "out", "qa", progress=quiet)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def per_layer_led(tmp_path_factory):
+    """attention_window [16, 32] (w 8 and 16 over blocks of 8: 3 and 5 blocks): (checkpoint dir,
+    transformers model, OnnxModel of its fp32 export)"""
+    root = tmp_path_factory.mktemp("led-per-layer")
+    checkpoint = make_tiny_led(root / "checkpoint", seed=3, attention_window=[16, 32])
+    export_model(checkpoint, root / "model", "summarize", progress=quiet)
+    hf = transformers.LEDForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
+    return checkpoint, hf, OnnxModel(root / "model", threads=1)
+
+
+@pytest.mark.parametrize("S", (1, 7, 16, 37, 100, 512))
+def test_per_layer_windows_match_transformers(per_layer_led, S):
+    _, hf, model = per_layer_led
+    ids, mask = batch(S, 3, seed=S)
+    gm = first_global(ids)
+    gm[0, S // 2] = 1
+    got = model.run_encoder(ids, mask, global_attention_mask=gm)["last_hidden_state"]
+    with torch.no_grad():
+        want = hf.get_encoder()(input_ids=t(ids), attention_mask=t(mask),
+                                global_attention_mask=t(gm)).last_hidden_state.numpy()
+    keep = mask.astype(bool)
+    assert np.abs(got[keep] - want[keep]).max() <= TOL
+
+
+def test_per_layer_led_manifest_and_verify(per_layer_led):
+    checkpoint, _, model = per_layer_led
+    m = model.manifest
+    assert m.block_size == 8 and m.max_length == 512  # transformers pads to the largest window, 32
+    assert [(a["band"], a["window_blocks"]) for a in m.layer_attention] == [(8, 3), (16, 5)]
+    report = verify_model(model.model_dir, checkpoint, progress=quiet, lengths=[7, 37, 100])
+    assert report.ok, report.summary()
 
 
 def test_real_serve_summarizes_like_transformers(led, tmp_path):

@@ -130,6 +130,7 @@ def test_manifest_names_the_global_tokens_and_the_window(longformer):
     for task, want in (("qa", "question"), ("classify", "first")):
         m = longformer[task][2].manifest
         assert m.global_tokens == want
+        assert m.layer_attention is None  # one window for every layer: `attention` is every layer's
         assert (m.block_size, m.attention["band"], m.attention["pattern"]) == (8, 8, "longformer")
         assert m.max_length == 512  # 520 positions - pad_token_id - 1 = 518 tokens, rounded down to w
         assert m.min_length == 1 and m.full_attention_max_length == 0
@@ -173,10 +174,7 @@ def test_fp16_and_int8_exports_verify(longformer, tmp_path, dtype):
         assert {c.what for c in report.checks if c.graph == "agreement"} >= {"best span identical"}
 
 
-def test_per_layer_windows_and_other_heads_are_refused(tmp_path):
-    checkpoint = make_tiny_longformer(tmp_path / "ck", "qa", attention_window=[16, 32])
-    with pytest.raises(CheckpointError, match="differs between layers"):
-        export_model(checkpoint, tmp_path / "out", "qa", progress=quiet)
+def test_other_heads_and_int8_attention_are_refused(tmp_path):
     checkpoint = make_tiny_longformer(tmp_path / "ck2", "qa")
     with pytest.raises(CheckpointError, match="is a .qa. model, not .classify."):
         export_model(checkpoint, tmp_path / "out", "classify", progress=quiet)
@@ -184,6 +182,85 @@ def test_per_layer_windows_and_other_heads_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="Longformer's band and global tokens run in fp32"):
         export_model(checkpoint, tmp_path / "out", "qa", dtype="int8", int8_attention="per-row", progress=quiet)
     assert not (tmp_path / "out").exists()
+
+
+# --- a window per layer (attention_window a list) ---------------------------------------------
+
+# task -> (attention_window, lengths): w 8, 16, 8 run over blocks of 8 (3, 5, 3 blocks); w 12, 8, 24
+# over blocks of 4, their gcd (7, 5, 13 blocks). transformers pads to the largest window, which
+# every window must divide. Lengths: one token, not multiples of any window, multiples of the block
+# or of a window, the maximum (518 positions: 512 and 516 tokens).
+PER_LAYER = {"qa": ([16, 32, 16], (1, 7, 8, 16, 32, 37, 100, 512)),
+             "classify": ([24, 16, 48], (1, 7, 12, 37, 48, 100, 516))}
+
+
+@pytest.fixture(scope="module")
+def per_layer(tmp_path_factory):
+    """task -> (checkpoint dir, transformers model, OnnxModel of its fp32 export), 3 layers whose
+    windows differ (PER_LAYER)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("longformer-per-layer")
+    out = {}
+    for task, (windows, _) in PER_LAYER.items():
+        checkpoint = make_tiny_longformer(root / f"{task}-checkpoint", task, seed=2, num_hidden_layers=3,
+                                          attention_window=windows)
+        export_model(checkpoint, root / f"{task}-model", task, progress=quiet)
+        cls = {"qa": transformers.LongformerForQuestionAnswering,
+               "classify": transformers.LongformerForSequenceClassification}[task]
+        out[task] = (checkpoint, cls.from_pretrained(str(checkpoint)).eval(), OnnxModel(root / f"{task}-model",
+                                                                                         threads=1))
+    return out
+
+
+@pytest.mark.parametrize("task,S", [(task, S) for task, (_, lengths) in PER_LAYER.items() for S in lengths])
+def test_per_layer_windows_match_transformers(per_layer, task, S):
+    _, hf, onnx_model = per_layer[task]
+    for B in (1, 3):
+        ids, mask = batch(S, B, seed=S + B)
+        for kind, gm in global_masks(ids, mask, seed=S).items():
+            got = onnx_model.run_encoder(ids, mask, global_attention_mask=gm)
+            assert_close(task, got, outputs(task, hf, ids, mask, gm), mask)
+
+
+def test_per_layer_manifest_carries_every_layers_window(per_layer):
+    """The runtime reads the layers' specs from the manifest (no question about the architecture)."""
+    for task, blocks, bands, windows in (("qa", 8, [8, 16, 8], [3, 5, 3]), ("classify", 4, [12, 8, 24], [7, 5, 13])):
+        m = per_layer[task][2].manifest
+        assert m.block_size == blocks and m.num_layers == 3
+        assert [a["band"] for a in m.layer_attention] == bands
+        assert [a["window_blocks"] for a in m.layer_attention] == windows
+        assert {a["block_size"] for a in m.layer_attention} == {blocks} and m.attention == m.layer_attention[0]
+        assert m.max_length == {"qa": 512, "classify": 516}[task]
+        feed = per_layer[task][2].layout_inputs(m.max_length, "block_sparse")
+        assert feed["layout_key_blocks"].shape == (3, 2, m.max_length // blocks, max(windows))
+        assert feed["layout_valid"].sum(axis=-1).max(axis=(1, 2)).tolist() == windows
+
+
+def test_a_wrong_middle_window_is_seen(per_layer):
+    """The comparison can fail: transformers with the middle layer's window at 16 instead of 32
+    (same weights) moves the outputs far above the tolerance."""
+    import transformers
+
+    checkpoint, hf, onnx_model = per_layer["qa"]
+    narrow = transformers.LongformerForQuestionAnswering.from_pretrained(
+        str(checkpoint), attention_window=[16, 16, 16]).eval()
+    ids, mask = batch(100, 1, seed=4)
+    gm = global_masks(ids, mask, seed=4)["first"]
+    got = onnx_model.run_encoder(ids, mask, global_attention_mask=gm)
+    assert_close("qa", got, outputs("qa", hf, ids, mask, gm), mask)
+    want = outputs("qa", narrow, ids, mask, gm)
+    assert np.abs(got["start_logits"] - want["start_logits"]).max() > 100 * TOL
+
+
+def test_per_layer_export_verifies_and_has_one_clean_graph(per_layer):
+    checkpoint, _, onnx_model = per_layer["qa"]
+    for against in ("model", "transformers"):
+        report = verify_model(onnx_model.model_dir, checkpoint, against=against, progress=quiet)
+        assert report.ok, report.summary()
+    graph = onnx.load(str(onnx_model.model_dir / "encoder.onnx"))
+    assert check_graph(graph) == []
+    assert not {op for _, op in op_census(graph)} & {"Loop", "If", "Scan"}
 
 
 def test_manifest_rejects_an_unknown_global_tokens_rule(longformer):

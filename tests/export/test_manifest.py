@@ -27,10 +27,23 @@ def test_round_trip(tmp_path):
     ({"task": "classify"}, "needs labels"),
     ({"graphs": {}}, "'encoder'"),
     ({"special_tokens": {"pad": 0, "sep": 5}}, "special_tokens has no cls id .*export the checkpoint again"),
+    ({"layer_attention": [{"pattern": "bigbird", "block_size": 16}]}, "layer_attention has 1 entries for 2 layers"),
+    ({"layer_attention": [{"pattern": "bigbird", "block_size": 16}, {"pattern": "dense", "block_size": 8}]},
+     "every layer_attention block_size must be block_size 16"),
+    ({"layer_attention": [{"block_size": 16}] * 2}, "layer_attention must be a list of AttentionSpec dicts"),
 ])
 def test_invalid_manifests_say_why(change, message):
     with pytest.raises(ManifestError, match=message):
         Manifest(**{**BASE, **change})
+
+
+def test_layer_attention_is_every_layers_spec(tmp_path):
+    assert Manifest(**BASE).layer_attention_specs() == [BASE["attention"]] * 2
+    layers = [{"pattern": "longformer", "block_size": 16, "band": 16}, {"pattern": "longformer", "block_size": 16,
+                                                                        "band": 32, "window_blocks": 5}]
+    m = Manifest(**{**BASE, "layer_attention": layers})
+    m.save(tmp_path)
+    assert Manifest.load(tmp_path).layer_attention_specs() == layers
 
 
 def test_load_errors(tmp_path):

@@ -229,3 +229,36 @@ def test_band_is_checked():
     with pytest.raises(ValueError, match="beyond the window"):
         AttentionSpec("longformer", 8, window_blocks=3, band=9)
     assert AttentionSpec.from_dict(AttentionSpec("longformer", 8, band=8).to_dict()).band == 8
+
+
+def _token_mask(layout, seq_len: int) -> np.ndarray:
+    """(S, S) bool: which keys each query token of head 0 sees through a `longformer` layout (its row's
+    key blocks, under the band)."""
+    bs = seq_len // layout.n_blocks
+    mask = np.zeros((seq_len, seq_len), bool)
+    for i in range(layout.n_blocks):
+        for j in _rows(layout, 0, i):
+            for q in range(i * bs, (i + 1) * bs):
+                for k in range(j * bs, (j + 1) * bs):
+                    mask[q, k] = abs(q - k) <= layout.band
+    return mask
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from([4, 8, 12, 16, 24, 32]), min_size=1, max_size=4), st.integers(1, 6))
+def test_longformer_layer_specs_over_one_block_size_see_each_layers_window(windows, multiple):
+    """Per-layer windows over the common block size (the gcd of the layers' w) hold exactly the keys
+    each layer's own 3 blocks of w do: every key at most w tokens away."""
+    from longdoc.model.layout import longformer_attention_specs, longformer_block_size, longformer_layer_specs
+
+    config = {"num_hidden_layers": len(windows), "attention_window": windows}
+    b = longformer_block_size(config)
+    assert all((w // 2) % b == 0 for w in windows) and b == np.gcd.reduce([w // 2 for w in windows])
+    seq_len = int(np.lcm.reduce([w // 2 for w in windows])) * multiple  # a multiple of every block size
+    for layer, (own, shared) in enumerate(zip(longformer_attention_specs(config), longformer_layer_specs(config))):
+        assert shared.block_size == b and shared.band == own.band
+        want = np.abs(np.arange(seq_len)[:, None] - np.arange(seq_len)[None]) <= own.band
+        for spec in (own, shared):
+            assert np.array_equal(_token_mask(build_layout(spec, seq_len // spec.block_size, 1, layer), seq_len), want)
+    if len(set(windows)) == 1:  # one window: the export's spec is the model's own
+        assert longformer_layer_specs(config) == longformer_attention_specs(config)

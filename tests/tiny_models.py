@@ -58,6 +58,18 @@ shape equate miss brought heat snow tire bring yes distant fill east paint langu
 """.split()
 
 
+
+def nudge_vectors(model, std: float) -> None:
+    """Move every 1-d parameter (norm weights and biases) off its init by N(0, std): a randomly
+    initialised model has ones and zeros there, under which a norm or bias mix-up would not show."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * std)
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
@@ -205,10 +217,7 @@ def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Pa
                       label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
     torch.manual_seed(seed)
     module = cls(transformers.LongformerConfig(**dict(kwargs, **overrides))).eval()
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.05)
+    nudge_vectors(module, 0.05)
     directory = Path(directory)
     module.save_pretrained(directory, safe_serialization=True)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
@@ -259,10 +268,8 @@ def make_tiny_led(directory, seed: int = 0, **overrides) -> Path:
                activation_dropout=0.0, init_std=0.2)
     cfg.update(overrides)
     model = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**cfg)).eval()
+    nudge_vectors(model, 0.05)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.05)
         model.final_logits_bias.normal_(std=0.5)
         model.final_logits_bias[0, 2] = 4.5  # LED's eos (bos 0, pad 1, eos 2)
     directory = Path(directory)

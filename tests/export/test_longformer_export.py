@@ -86,15 +86,21 @@ def assert_close(task, got, want, mask):
         assert np.abs(g[sel] - w[sel]).max() <= TOL, (name, np.abs(g[sel] - w[sel]).max())
 
 
-@pytest.mark.parametrize("task", ["qa", "classify"])
-@pytest.mark.parametrize("S", LENGTHS)
-def test_graph_matches_transformers(longformer, task, S):
-    _, hf, onnx_model = longformer[task]
+def matches_transformers(task: str, hf, onnx_model, S: int) -> None:
+    """At length S, batch 1 and 3 (padded rows), every global-token mask: the export's outputs are
+    transformers'."""
     for B in (1, 3):
         ids, mask = batch(S, B, seed=S + B)
         for kind, gm in global_masks(ids, mask, seed=S).items():
             got = onnx_model.run_encoder(ids, mask, global_attention_mask=gm)
             assert_close(task, got, outputs(task, hf, ids, mask, gm), mask)
+
+
+@pytest.mark.parametrize("task", ["qa", "classify"])
+@pytest.mark.parametrize("S", LENGTHS)
+def test_graph_matches_transformers(longformer, task, S):
+    _, hf, onnx_model = longformer[task]
+    matches_transformers(task, hf, onnx_model, S)
 
 
 def test_a_missing_global_token_is_seen(longformer):
@@ -216,11 +222,7 @@ def per_layer(tmp_path_factory):
 @pytest.mark.parametrize("task,S", [(task, S) for task, (_, lengths) in PER_LAYER.items() for S in lengths])
 def test_per_layer_windows_match_transformers(per_layer, task, S):
     _, hf, onnx_model = per_layer[task]
-    for B in (1, 3):
-        ids, mask = batch(S, B, seed=S + B)
-        for kind, gm in global_masks(ids, mask, seed=S).items():
-            got = onnx_model.run_encoder(ids, mask, global_attention_mask=gm)
-            assert_close(task, got, outputs(task, hf, ids, mask, gm), mask)
+    matches_transformers(task, hf, onnx_model, S)
 
 
 def test_per_layer_manifest_carries_every_layers_window(per_layer):

@@ -76,3 +76,25 @@ def random_batch(batch: int, length: int, seed: int = 0, pad_tail: int = 0):
     if pad_tail:
         mask[1:, length - pad_tail :] = 0
     return ids, mask
+
+
+def hf_checkpoints(directory, config_of, std: float, tweak=None):
+    """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model):
+    transformers.<architecture>(config_of(**overrides)) seeded, its 1-d parameters nudged by `std`
+    (tests.tiny_models.nudge_vectors), `tweak(model)` applied under no_grad, saved under `directory`."""
+    import transformers
+
+    from tests.tiny_models import nudge_vectors
+
+    def make(architecture: str, seed: int = 0, **overrides):
+        torch.manual_seed(seed)
+        model = getattr(transformers, architecture)(config_of(**overrides)).eval()
+        nudge_vectors(model, std)
+        if tweak is not None:
+            with torch.no_grad():
+                tweak(model)
+        path = directory / f"{architecture}-{seed}"
+        model.save_pretrained(path)
+        return path, model
+
+    return make

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from longdoc.model.checkpoint import LoadError, load_pretrained, save_pretrained  # noqa: E402
 from longdoc.model.led import LEDConfig, LEDForConditionalGeneration  # noqa: E402
+from tests.tiny_models import nudge_vectors  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 60
@@ -39,10 +40,8 @@ def tiny_hf(seed=0, **kw):
                activation_dropout=0.0, init_std=0.2)
     cfg.update(kw)
     hf = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**cfg)).eval()
+    nudge_vectors(hf, 0.05)
     with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.05)
         hf.final_logits_bias.normal_(std=0.5)
     return hf
 

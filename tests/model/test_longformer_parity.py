@@ -13,6 +13,7 @@ import torch
 
 from longdoc.model.checkpoint import LoadError, load_pretrained, save_pretrained
 from longdoc.model.longformer import LongformerModel, padded_length
+from tests.model.conftest import hf_checkpoints
 from tests.model.test_bigbird_parity import compare
 
 TOL = 1e-5
@@ -36,24 +37,13 @@ def tiny_config(**overrides):
 
 @pytest.fixture
 def hf_longformer(tmp_path):
-    """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model)"""
-    import transformers
+    """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model),
+    with non-zero biases and padding row, so that position / bias mix-ups show"""
 
-    def make(architecture: str, seed: int = 0, **overrides):
-        torch.manual_seed(seed)
-        model = getattr(transformers, architecture)(tiny_config(**overrides)).eval()
-        # a non-zero padding row and biases, so that position / bias mix-ups show
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.05)
-            emb = model.base_model.embeddings
-            emb.position_embeddings.weight[PAD].normal_(0, 0.1)
-        directory = tmp_path / f"{architecture}-{seed}"
-        model.save_pretrained(directory)
-        return directory, model
+    def padding_row(model):
+        model.base_model.embeddings.position_embeddings.weight[PAD].normal_(0, 0.1)
 
-    return make
+    return hf_checkpoints(tmp_path, tiny_config, 0.05, padding_row)
 
 
 def random_batch(batch: int, length: int, seed: int = 0, pad_tail=(0,)):

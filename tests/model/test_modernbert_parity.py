@@ -16,6 +16,7 @@ import torch
 
 from longdoc.model.checkpoint import load_pretrained
 from longdoc.model.modernbert import ModernBertConfig, ModernBertModel
+from tests.model.conftest import hf_checkpoints
 
 TOL = 1e-5
 VOCAB = 120
@@ -40,22 +41,9 @@ def tiny_config(**overrides):
 
 @pytest.fixture
 def hf_modernbert(tmp_path):
-    """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model)"""
-    import transformers
-
-    def make(architecture: str, seed: int = 0, **overrides):
-        torch.manual_seed(seed)
-        model = getattr(transformers, architecture)(tiny_config(**overrides)).eval()
-        # norms, biases away from their init (ones / zeros), so that a norm or bias mix-up shows
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
-        directory = tmp_path / f"{architecture}-{seed}"
-        model.save_pretrained(directory)
-        return directory, model
-
-    return make
+    """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model),
+    norms and biases away from their init (ones / zeros), so that a norm or bias mix-up shows"""
+    return hf_checkpoints(tmp_path, tiny_config, 0.1)
 
 
 def random_batch(batch: int, length: int, seed: int = 0, pad_tail=(0,)):

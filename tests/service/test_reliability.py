@@ -271,6 +271,23 @@ def test_a_body_of_500k_keys_is_refused_before_parsing(classify_server):
 # ---- shutdown under load (item 1)
 
 
+def start_in_flight(url: str, ask, n_ask: int, summarize, n_summarize: int, summarizing: int | None = None):
+    """`ask(i)` and `summarize(i)` each in its own thread, started; returns the threads once the
+    server counts `n_ask` QA and `summarizing` (default: all) summarize requests in flight."""
+    from tests.service.test_e2e import metric
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n_ask)]
+    threads += [threading.Thread(target=summarize, args=(i,)) for i in range(n_summarize)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (metric(url, 'longdoc_in_flight_requests{endpoint="qa"}') < n_ask
+           or metric(url, 'longdoc_in_flight_requests{endpoint="summarize"}') < (summarizing or n_summarize)):
+        assert time.monotonic() < deadline, "requests did not get in flight"
+        time.sleep(0.02)  # polling the server's gauge with a deadline
+    return threads
+
+
 def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_dir, tiny_summarize_dir, tmp_path):
     """16 QA requests of 16 x 3000 tokens and 12 streamed summaries decoding one at a time; SIGTERM
     with a 1 s grace: what finishes gets 200, the rest 503 shutting_down (a running stream: `event:
@@ -310,15 +327,7 @@ def test_sigterm_under_load_answers_every_request_in_json_then_exits_0(tiny_qa_d
                 streams[i] = (r.status_code, r.headers["content-type"],
                               sse_events(lines_of(r)) if r.status_code == 200 else json.loads(r.read()))
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-        threads += [threading.Thread(target=summarize, args=(i,)) for i in range(12)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while (metric(s.url, 'longdoc_in_flight_requests{endpoint="qa"}') < 16
-               or metric(s.url, 'longdoc_in_flight_requests{endpoint="summarize"}') < 10):
-            assert time.monotonic() < deadline, "requests did not get in flight"
-            time.sleep(0.02)
+        threads = start_in_flight(s.url, ask, 16, summarize, 12, summarizing=10)
         # a stream is decoding when the signal comes (12 x 500 tokens one at a time is far more
         # than the grace), so one is cut at the end of the grace
         assert decoding.wait(30), "no stream started decoding"
@@ -437,15 +446,7 @@ def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_
                 streams[i] = (r.status_code, r.headers["content-type"],
                               sse_events(r.iter_lines()) if r.status_code == 200 else json.loads(r.read()))
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-        threads += [threading.Thread(target=summarize, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while (metric(s.url, 'longdoc_in_flight_requests{endpoint="qa"}') < 8
-               or metric(s.url, 'longdoc_in_flight_requests{endpoint="summarize"}') < 4):
-            assert time.monotonic() < deadline, "requests did not get in flight"
-            time.sleep(0.02)
+        threads = start_in_flight(s.url, ask, 8, summarize, 4)
         s.proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 30
         while "draining" not in log_path.read_text():  # the first press was handled

@@ -179,6 +179,142 @@ def build_mix(train: str | Path, out: str | Path) -> Path:
     return out
 
 
+# ----------------------------------------------------------------------------- choosing on validation
+
+# decoding settings tried on the validation part (issue 27: choices there, figures on the test part)
+DECODINGS = {
+    "greedy": {"num_beams": 1, "no_repeat_ngram_size": 3},
+    "beam4": {"num_beams": 4, "no_repeat_ngram_size": 3, "length_penalty": 1.0},
+}
+
+
+def validate(runs, data: str | Path, out: str | Path | None = None, device: str = "cpu",
+             decodings=tuple(DECODINGS), batch_size: int = 16, max_new_tokens: int = 32,
+             limit: int | None = None) -> list[dict]:
+    """Each trained run (a checkpoint dir) under each decoding setting on `data` (the package-disjoint
+    validation part), through PyTorch batched on `device`, beside lead-description: ROUGE-1/2/L
+    (`export.evaluate.rouge_scores`), distinct and repeat3, all pages and those past the window.
+    The input window, special tokens and summary text are the service's functions; a run's figures
+    for the record come from its export through `longdoc eval`, not from here."""
+    import torch
+
+    from longdoc.export.evaluate import lead_description, read_records, repeats_a_word, rouge_scores
+    from longdoc.model.checkpoint import load_pretrained
+    from longdoc.model.generation import generate
+    from longdoc.model.tokenization import (load_tokenizer, special_token_ids, summarize_input_of,
+                                            summarize_window, summary_text)
+
+    records = read_records(data, limit)
+    results = []
+
+    def row(system, texts, refs, cut, **extra):
+        for subset, keep in (("all", [True] * len(texts)), ("beyond-window", cut)):
+            idx = [i for i, k in enumerate(keep) if k]
+            if not idx:
+                continue
+            scores = [rouge_scores(texts[i], refs[i]) for i in idx]
+            outs = [texts[i] for i in idx]
+            results.append({"system": system, "subset": subset, "n": len(idx), **extra,
+                            **{k: 100 * float(np.mean([s[k] for s in scores])) for k in scores[0]},
+                            "distinct": len(set(outs)) / len(outs),
+                            "repeat3": sum(map(repeats_a_word, outs)) / len(outs)})
+            print(json.dumps(results[-1]), flush=True)
+
+    refs = [r["summary"] for r in records]
+    cut = None
+    for run in runs:
+        run = Path(run)
+        tok = load_tokenizer(run)
+        special = special_token_ids(run, tok)
+        config = json.loads((run / "config.json").read_text())
+        template = summarize_input_of(config.get("model_type"))
+        model = load_pretrained(run).to(device).eval()
+        max_length = int(config.get("encoder", config).get("max_position_embeddings", 4096))
+        windows = []
+        for r in records:
+            doc = tok.encode(r["document"], add_special_tokens=False).ids
+            windows.append(summarize_window(doc, max_length, special, template))
+        cut = [c for _, c in windows]
+        order = sorted(range(len(records)), key=lambda i: len(windows[i][0]))
+        for name in decodings:
+            texts = [""] * len(records)
+            for b in range(0, len(order), batch_size):
+                rows = order[b:b + batch_size]
+                width = max(len(windows[i][0]) for i in rows)
+                ids = torch.full((len(rows), width), special["pad"], dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for j, i in enumerate(rows):
+                    w = windows[i][0]
+                    ids[j, :len(w)] = torch.tensor(w)
+                    mask[j, :len(w)] = 1
+                gen = generate(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                               **DECODINGS[name])
+                for j, i in enumerate(rows):
+                    toks = gen[j, 1:].tolist()
+                    toks = toks[:toks.index(special["eos"])] if special["eos"] in toks else toks
+                    texts[i] = summary_text(tok, toks)
+            row(run.name, texts, refs, cut, decoding=name)
+        del model
+    row("lead-description", [lead_description(r["document"]) for r in records], refs,
+        cut or [False] * len(records))
+    if out is not None:
+        Path(out).write_text(json.dumps({"data": str(data), "rows": results}, indent=1) + "\n")
+    return results
+
+
+# ----------------------------------------------------------------------------- weights across a lease
+
+def pack(run: str | Path, out: str | Path, part_mib: float = 15.0) -> list[Path]:
+    """A trained run's weights as fp16 safetensors parts of at most `part_mib` MiB each, beside its
+    small files (config, tokenizer, training.json), so that they travel back from a GPU machine
+    whose transfers are limited in size. `unpack` rebuilds an fp32 checkpoint from them."""
+    from safetensors.torch import load_file, save_file
+
+    run, out = Path(run), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(run / "model.safetensors"))
+    parts, current, size = [], {}, 0
+    for key in sorted(state):
+        t = state[key]
+        t = t.half() if t.is_floating_point() else t
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > part_mib * 2**20:
+            parts.append(current)
+            current, size = {}, 0
+        current[key] = t.contiguous()
+        size += nbytes
+    parts.append(current)
+    written = []
+    for n, part in enumerate(parts):
+        path = out / f"weights-{n:02d}.safetensors"
+        save_file(part, str(path))
+        written.append(path)
+    small = [p for p in run.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.stat().st_size < 2**22]
+    with (out / "files.json").open("w") as fh:
+        json.dump({p.name: p.read_text() for p in small}, fh)
+    print(f"{run} -> {out}: {len(written)} weight parts, {len(small)} small files")
+    return written
+
+
+def unpack(parts: list[str | Path], output: str | Path) -> Path:
+    """The fp32 checkpoint dir of `pack`'s parts (files.json and every weights-NN part, from any
+    number of folders)."""
+    from safetensors.torch import load_file, save_file
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for folder in map(Path, parts):
+        for path in sorted(folder.glob("weights-*.safetensors")):
+            state.update({k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(path)).items()})
+        if (folder / "files.json").is_file():
+            for name, text in json.loads((folder / "files.json").read_text()).items():
+                (output / name).write_text(text)
+    save_file(state, str(output / "model.safetensors"))
+    print(f"{output}: {len(state)} tensors")
+    return output
+
+
 # ----------------------------------------------------------------------------- shipping
 
 
@@ -368,6 +504,34 @@ def main(argv: list[str] | None = None) -> int:
         import sys
 
         argv = sys.argv[1:]
+    if argv[:1] == ["validate"]:
+        p = argparse.ArgumentParser(description="score trained runs on the validation part under each decoding setting")
+        p.add_argument("runs", nargs="+", help="trained checkpoint dirs")
+        p.add_argument("--data", default=f"{CORPUS['broad']}/summarize_pkg-validation.jsonl",
+                       help="JSONL to score on (default: %(default)s)")
+        p.add_argument("--json", default=None, help="write the rows here (default: print only)")
+        p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+        p.add_argument("--decodings", default=",".join(DECODINGS),
+                       help=f"comma-separated, of {', '.join(DECODINGS)} (default: %(default)s)")
+        p.add_argument("--batch-size", type=int, default=16, help="pages per generate call (default: %(default)s)")
+        p.add_argument("--limit", type=int, default=None, help="first N pages only (default: all)")
+        a = p.parse_args(argv[1:])
+        validate(a.runs, a.data, a.json, a.device, tuple(a.decodings.split(",")), a.batch_size, limit=a.limit)
+        return 0
+    if argv[:1] in (["pack"], ["unpack"]):
+        p = argparse.ArgumentParser(description="a run's weights as fp16 parts (pack), or back to a checkpoint (unpack)")
+        if argv[0] == "pack":
+            p.add_argument("run", help="trained checkpoint dir")
+            p.add_argument("out", help="folder for the parts")
+            p.add_argument("--part-mib", type=float, default=15.0, help="largest part (default: %(default)s)")
+            a = p.parse_args(argv[1:])
+            pack(a.run, a.out, a.part_mib)
+        else:
+            p.add_argument("parts", nargs="+", help="folders holding pack's parts")
+            p.add_argument("--output", required=True, help="checkpoint dir to write")
+            a = p.parse_args(argv[1:])
+            unpack(a.parts, a.output)
+        return 0
     if argv[:1] == ["ship"]:
         p = argparse.ArgumentParser(description="shrink the vocabulary, export, write licenses")
         p.add_argument("checkpoint", help="trained checkpoint dir")

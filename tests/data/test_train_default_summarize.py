@@ -138,3 +138,45 @@ def test_package_split_trains_on_every_page_of_the_listed_packages(tmp_path):
     out = package_train_file(tmp_path)
     assert out == tmp_path / "summarize_pkg-train.jsonl"
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["ls.1", "open.2"]
+
+
+def test_pack_and_unpack_rebuild_the_run_in_parts(tmp_path):
+    """Weights travel back from a GPU lease as fp16 parts of bounded size: unpacking them gives the
+    run's tensors (fp16-rounded) and its small files."""
+    from safetensors.torch import load_file
+
+    from data.train_default_summarize import pack, unpack
+
+    run = make_tiny_encoder_decoder(tmp_path / "run")
+    parts = pack(run, tmp_path / "parts", part_mib=0.05)
+    assert len(parts) > 1 and all(p.stat().st_size < 0.05 * 2**20 + 2**14 for p in parts)
+    half = len(parts) // 2  # parts travel in two calls: two folders
+    (tmp_path / "second").mkdir()
+    for p in parts[half:]:
+        p.rename(tmp_path / "second" / p.name)
+    out = unpack([tmp_path / "parts", tmp_path / "second"], tmp_path / "back")
+    a, b = load_file(str(run / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k].dtype == a[k].dtype
+        assert torch.equal(b[k], a[k].half().to(a[k].dtype) if a[k].is_floating_point() else a[k]), k
+    assert json.loads((out / "config.json").read_text()) == json.loads((run / "config.json").read_text())
+    assert (out / "tokenizer.json").read_text() == (run / "tokenizer.json").read_text()
+
+
+def test_validate_scores_each_run_and_decoding_beside_lead_description(tmp_path):
+    """`validate` (choices on the package-disjoint validation part): one row per run, decoding and
+    subset, with the batched PyTorch summaries scored as `longdoc eval` scores them."""
+    from data.train_default_summarize import validate
+
+    run = make_tiny_encoder_decoder(tmp_path / "run")
+    data = tmp_path / "val.jsonl"
+    pages = [{"id": f"p{i}", "document": "NAME\n x\nDESCRIPTION\n " + " ".join(["water sun red"] * (i + 1)) + ".",
+              "summary": "hot water"} for i in range(5)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in pages))
+    rows = validate([run], data, tmp_path / "v.json", batch_size=2, max_new_tokens=4)
+    got = {(r["system"], r.get("decoding"), r["subset"]) for r in rows}
+    assert {("run", "greedy", "all"), ("run", "beam4", "all"), ("lead-description", None, "all")} <= got
+    for r in rows:
+        assert r["n"] >= 1 and 0 <= r["rouge1"] <= 100 and 0 < r["distinct"] <= 1
+    assert json.loads((tmp_path / "v.json").read_text())["rows"] == rows

@@ -273,15 +273,24 @@ def pack(run: str | Path, out: str | Path, part_mib: float = 15.0) -> list[Path]
     run, out = Path(run), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = load_file(str(run / "model.safetensors"))
-    parts, current, size = [], {}, 0
+    limit = int(part_mib * 2**20)
+    pieces = []  # (name, tensor): a tensor larger than a part goes in row blocks, KEY@rows:N
     for key in sorted(state):
         t = state[key]
         t = t.half() if t.is_floating_point() else t
+        row_bytes = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+        rows = max(1, limit // max(row_bytes, 1))
+        if t.dim() and t.numel() * t.element_size() > limit:
+            pieces += [(f"{key}@rows:{i // rows}", t[i:i + rows]) for i in range(0, t.shape[0], rows)]
+        else:
+            pieces.append((key, t))
+    parts, current, size = [], {}, 0
+    for name, t in pieces:
         nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > part_mib * 2**20:
+        if current and size + nbytes > limit:
             parts.append(current)
             current, size = {}, 0
-        current[key] = t.contiguous()
+        current[name] = t.contiguous()
         size += nbytes
     parts.append(current)
     written = []
@@ -303,13 +312,25 @@ def unpack(parts: list[str | Path], output: str | Path) -> Path:
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    state = {}
+    import torch
+
+    state, blocks = {}, {}
     for folder in map(Path, parts):
         for path in sorted(folder.glob("weights-*.safetensors")):
-            state.update({k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(path)).items()})
+            for k, v in load_file(str(path)).items():
+                v = v.float() if v.is_floating_point() else v
+                if "@rows:" in k:
+                    key, n = k.split("@rows:")
+                    blocks.setdefault(key, {})[int(n)] = v
+                else:
+                    state[k] = v
         if (folder / "files.json").is_file():
             for name, text in json.loads((folder / "files.json").read_text()).items():
                 (output / name).write_text(text)
+    for key, by_index in blocks.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise SystemExit(f"{key}: row blocks {sorted(by_index)} (a part is missing)")
+        state[key] = torch.cat([by_index[i] for i in range(len(by_index))])
     save_file(state, str(output / "model.safetensors"))
     print(f"{output}: {len(state)} tensors")
     return output

@@ -14,7 +14,7 @@
 #                                               # the better one in fp16 parts; the first parts land
 #                                               # in $OUT
 #   bash data/gpu_train_lease.sh wait           # if `train` ran out of time: wait and score again
-#   bash data/gpu_train_lease.sh fetch          # the remaining parts
+#   bash data/gpu_train_lease.sh fetch          # up to 4 more parts (again until none is left)
 #
 # Back here: `python -m data.train_default_summarize unpack OUT1 OUT2 --output data/cache/runs/gpu-pkg`.
 set -uo pipefail
@@ -75,7 +75,7 @@ train)
     --save-every 0 --lr 1e-4 --max-steps $steps"
   setsid nohup bash -c "python3 -m data.train_default_summarize $common --train $CORPUS/summarize_mix_train.jsonl \
     --output $WORK/runs/A > $WORK/A.log 2>&1; echo \$? > $WORK/A.done" >/dev/null 2>&1 < /dev/null &
-  setsid nohup bash -c "python3 -m data.train_default_summarize $common --split package \
+  setsid nohup bash -c "python3 -m data.train_default_summarize $common --train $CORPUS/summarize_pkg-train.jsonl \
     --output $WORK/runs/B > $WORK/B.log 2>&1; echo \$? > $WORK/B.done" >/dev/null 2>&1 < /dev/null &
   log "runs A (--mix) and B (plain) started: $steps steps each"
   ;&
@@ -89,7 +89,9 @@ wait)
   score_and_pack
   ;;
 fetch)
-  mv $WORK/pack/weights-*.safetensors "$OUT/" 2>/dev/null; ls -la "$OUT"
+  # at most 4 parts a call (a call brings back 8 files, 64 MiB): call again until none is left
+  ls $WORK/pack/weights-*.safetensors 2>/dev/null | head -4 | xargs -r -I{} mv {} "$OUT/"
+  ls -la "$OUT"; echo "parts left: $(ls $WORK/pack/weights-*.safetensors 2>/dev/null | wc -l)"
   ;;
 *)
   echo "usage: $0 setup | train STEPS | wait | fetch" >&2; exit 2

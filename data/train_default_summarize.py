@@ -565,8 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--no-repeat-ngram-size", type=int, default=None,
                        help="generation default written into the manifest (default: SHIP_GENERATION's, "
                             "3 for bert2bert, unset for pegasus; 0 = off)")
+        p.add_argument("--num-beams", type=int, default=None,
+                       help="generation default written into the manifest (default: unset, i.e. greedy)")
         a = p.parse_args(argv[1:])
         extra = {} if a.no_repeat_ngram_size is None else {"no_repeat_ngram_size": a.no_repeat_ngram_size}
+        if a.num_beams is not None:
+            extra["num_beams"] = a.num_beams
         ship(a.checkpoint, a.output, a.dtype, a.corpus, extra, a.split)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -312,7 +312,7 @@ def evaluate_classify(model, records: list[dict], progress=None) -> tuple[list[d
 
 
 def evaluate(model_dir: str | Path | None, data: str | Path, task: str | None = None, limit: int | None = None,
-             threads: int | None = None, max_new_tokens: int = 32, num_beams: int = 1,
+             threads: int | None = None, max_new_tokens: int = 32, num_beams: int | None = None,
              max_answer_tokens: int = 128, quiet: bool = False) -> tuple[Report, list[dict]]:
     model = None
     if model_dir is not None:

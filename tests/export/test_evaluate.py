@@ -1,6 +1,8 @@
 """Metrics of `longdoc eval` on hand-computed examples, and the QA windowing/decoding logic
 against a stand-in model that can only answer what it sees."""
 
+import argparse
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -135,3 +137,32 @@ def test_summarize_eval_reports_pages_beyond_the_window_and_distinct_outputs(tin
     assert by[("model", "all")]["repeat3"] == sum(map(E.repeats_a_word, model_texts)) / 4
     assert by[("model", "all")]["rouge1"] == sum(E.rouge_scores(t, r["summary"])["rouge1"]
                                                  for t, r in zip(model_texts, records)) / 4
+
+
+def test_summarize_eval_uses_the_models_search_settings_by_default(tiny_summarize_dir, tmp_path):
+    """`longdoc eval` scores what the service answers: with no --num-beams, the manifest's generation
+    defaults (here num_beams 3) decide the search, not a greedy default of its own."""
+    import shutil
+
+    from longdoc.export.eval_cli import add_commands
+    from longdoc.export.runtime import OnnxModel
+    from tests.tiny_models import TINY_WORDS
+
+    model_dir = tmp_path / "beam3"
+    shutil.copytree(tiny_summarize_dir, model_dir)
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["decoder"]["generation"]["num_beams"] = 3
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+    records = [{"id": f"p{n}", "document": " ".join(TINY_WORDS[(n * 11 + i) % 200] for i in range(30 + 9 * n)),
+                "summary": " ".join(TINY_WORDS[n:n + 3])} for n in range(8)]
+    data = tmp_path / "pages.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    model = OnnxModel(model_dir, threads=1)
+    beam = [p["model"] for p in E.evaluate_summarize(model, records, max_new_tokens=6, num_beams=3)[1]]
+    greedy = [p["model"] for p in E.evaluate_summarize(model, records, max_new_tokens=6, num_beams=1)[1]]
+    assert beam != greedy  # the two searches differ on these pages, so the default is observable
+    _, predictions = E.evaluate(model_dir, data, max_new_tokens=6, threads=1, quiet=True)
+    assert [p["model"] for p in predictions] == beam
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["eval", str(model_dir), "--data", str(data)]).num_beams is None

@@ -24,15 +24,17 @@ out of memory) fails the calls it held with 503 `unavailable`, and the pool is r
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import struct
 import threading
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -167,16 +169,159 @@ def _start_pool_process(models: dict[str, Any]) -> None:
     _MODELS.update(models)
 
 
-def _call_in_pool_process(fn: Callable, model: str, args: tuple):
-    return fn(_MODELS[model], *args)
-
-
-def _pool_process_ready() -> int:
-    return os.getpid()
+def _pool_process_main(conn, models: dict[str, Any]) -> None:
+    """A pool process: one frame in (fn, model name, args), one frame out ((True, result) or
+    (False, exception)), in order, until the server closes its end."""
+    _start_pool_process(models)
+    try:
+        conn.send_bytes(pickle.dumps((True, os.getpid())))
+    except OSError:  # the server went away while this process started
+        return
+    while True:
+        try:
+            fn, model, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            reply = (True, fn(_MODELS[model], *args))
+        except Exception as e:  # the service's errors (TooLarge, InvalidRequest) travel as themselves
+            reply = (False, e)
+        try:
+            payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            payload = pickle.dumps((False, RuntimeError(f"unpicklable host-pool reply: {e!r}")))
+        try:
+            conn.send_bytes(payload)
+        except OSError:  # the server closed its end (shut down, or gave this process up)
+            return
 
 
 # ---------------------------------------------------------------------------------------------
 # the pool (the event loop's side)
+
+_FRAME = struct.Struct("!i")  # multiprocessing.Connection's frame header (payloads under 2 GiB)
+
+
+class _PoolProcess:
+    """One spawned pool process and the event loop's end of its pipe. The loop writes calls as
+    frames (non-blocking; what the pipe does not take at once waits in a buffer, so a large
+    document never blocks the loop) and reads the replies, in order, when the pipe is readable:
+    no executor threads between the loop and the pipe (ProcessPoolExecutor's feeder and manager
+    threads took the GIL from the loop for every call)."""
+
+    def __init__(self, ctx, models: dict[str, Any], index: int):
+        parent, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_pool_process_main, args=(child, models), daemon=True,
+                                   name=f"longdoc-host-{index}")
+        self.process.start()
+        child.close()
+        self.conn = parent
+        self.fd = parent.fileno()
+        self.ready = False  # its first frame (its pid) was read
+        self.dead = False
+        self.pending: collections.deque[tuple[asyncio.Future, str]] = collections.deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._in = bytearray()
+        self._out = bytearray()
+        self.on_death: Callable[[_PoolProcess], None] | None = None
+
+    def wait_ready(self, timeout: float) -> int:
+        """Block until the process has loaded its models (off the event loop)."""
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"host pool process {self.process.pid} did not start in {timeout:.0f} s")
+        ok, pid = pickle.loads(self.conn.recv_bytes())
+        self.ready = True
+        return pid
+
+    def attach(self) -> None:
+        """Watch the pipe from the running loop (again after a loop change: tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self.loop is loop:
+            return
+        os.set_blocking(self.fd, False)
+        self.loop = loop
+        loop.add_reader(self.fd, self._readable)
+        if self._out:
+            loop.add_writer(self.fd, self._writable)
+
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self.fd, 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the process is gone
+            self._detach()
+            if self._died() and self.on_death is not None:
+                self.on_death(self)  # it failed calls: replaced now, so the next call is served
+            return
+        self._in += chunk
+        while len(self._in) >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(self._in)
+            if len(self._in) < _FRAME.size + n:
+                break
+            payload = bytes(self._in[_FRAME.size:_FRAME.size + n])
+            del self._in[:_FRAME.size + n]
+            if not self.ready:
+                self.ready = True  # the pid frame of a process started after `start`
+                continue
+            try:
+                ok, value = pickle.loads(payload)
+            except Exception as e:
+                ok, value = False, RuntimeError(f"unreadable host-pool reply: {e!r}")
+            future, _ = self.pending.popleft()
+            if future.done():  # given up at its deadline
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def _writable(self) -> None:
+        try:
+            n = os.write(self.fd, self._out)
+        except BlockingIOError:
+            return
+        except OSError:
+            n = len(self._out)  # the reader sees the end and fails the calls
+        del self._out[:n]
+        if not self._out:
+            self.loop.remove_writer(self.fd)
+
+    def _detach(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+
+    def _died(self) -> bool:
+        """Fail the calls it held with 503; whether there were any."""
+        self.dead = True
+        held = bool(self.pending)
+        while self.pending:
+            future, what = self.pending.popleft()
+            if not future.done():
+                future.set_exception(Unavailable(f"a host process died during {what}; retry", {"Retry-After": "1"}))
+        return held
+
+    def send(self, fn: Callable, model: str, args: tuple, what: str) -> asyncio.Future:
+        future = self.loop.create_future()
+        self.pending.append((future, what))
+        payload = pickle.dumps((fn, model, args), protocol=pickle.HIGHEST_PROTOCOL)
+        start = not self._out
+        self._out += _FRAME.pack(len(payload))
+        self._out += payload
+        if start:
+            self._writable()  # most calls go out here at once
+            if self._out:
+                self.loop.add_writer(self.fd, self._writable)
+        return future
+
+    def close(self) -> None:
+        self.dead = True
+        self._detach()
+        self.conn.close()  # the process reads EOF and exits
+        self.process.join(timeout=0)
 
 
 class HostPool:
@@ -188,58 +333,69 @@ class HostPool:
         self.models = dict(models)
         self.processes = processes
         self.threads = threads
-        self._executor: Executor | None = None
+        self._executor: Executor | None = None  # threads
+        self._procs: list[_PoolProcess] = []  # processes
+        self._ctx = multiprocessing.get_context("spawn")
+        self._started = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
         """Start the pool; with processes, wait until every one has its models (blocking: call it
         off the event loop)."""
-        self._executor = self._new_executor()
-        if self.processes:  # spawned and loaded now, not by the first requests
-            futures = [self._executor.submit(_pool_process_ready) for _ in range(self.processes)]
-            pids = {f.result(timeout=300) for f in futures}
-            log.info("host pool: %d processes (%s)", self.processes, ", ".join(map(str, sorted(pids))))
-
-    def _new_executor(self) -> Executor:
         if not self.processes:
-            return ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tokenize")
-        return ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_start_pool_process, initargs=(self.models,))
+            self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tokenize")
+        else:  # spawned and loaded now, not by the first requests
+            self._procs = [self._new_process(i) for i in range(self.processes)]
+            pids = [p.wait_ready(300) for p in self._procs]
+            log.info("host pool: %d processes (%s)", self.processes, ", ".join(map(str, sorted(pids))))
+        self._started = True
 
     def pids(self) -> list[int]:
         """The pool's live process ids (none with threads)."""
-        procs = getattr(self._executor, "_processes", None) or {}
-        return [p.pid for p in list(procs.values()) if p.is_alive()]
+        return [p.process.pid for p in self._procs if p.process.is_alive()]
 
     async def call(self, deadline: float, what: str, fn: Callable, info, *args):
-        """fn(info, *args) in the pool, given up at the request's deadline (504; a call already
-        running finishes unseen, one still queued is dropped); 503 if its pool process died."""
-        loop = asyncio.get_running_loop()
-        executor = self._executor
-        if executor is None:
+        """fn(info, *args) in the pool, given up at the request's deadline (504; the call finishes
+        unseen); 503 if its pool process died (that process is replaced at once)."""
+        if not self._started:
             raise Unavailable("server is not started")
+        if self.processes:
+            future = await self._send(fn, info.name, args, what)
+        else:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, fn, info, *args)
         try:
-            if self.processes:
-                future = loop.run_in_executor(executor, _call_in_pool_process, fn, info.name, args)
-            else:
-                future = loop.run_in_executor(executor, fn, info, *args)
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise DeadlineExceeded(f"deadline exceeded during {what}") from None
-        except BrokenProcessPool:
-            self._replace(executor)
-            raise Unavailable(f"a host process died during {what}; retry", {"Retry-After": "1"}) from None
 
-    def _replace(self, broken: Executor) -> None:
-        """A broken process pool fails every call it held and every later one: a new pool
-        takes its place (its processes start with the next calls)."""
+    async def _send(self, fn: Callable, model: str, args: tuple, what: str) -> asyncio.Future:
+        for proc in self._procs:
+            if proc.dead or not proc.process.is_alive():  # died holding no call: this call finds it
+                self._replace(proc)
+                raise Unavailable(f"a host process died during {what}; retry", {"Retry-After": "1"})
+        proc = min(self._procs, key=lambda p: len(p.pending))  # the least loaded
+        proc.attach()
+        return proc.send(fn, model, args, what)
+
+    def _new_process(self, index: int) -> _PoolProcess:
+        proc = _PoolProcess(self._ctx, self.models, index)
+        proc.on_death = self._replace
+        return proc
+
+    def _replace(self, old: _PoolProcess) -> None:
+        """A dead process's place goes to a new one (ready with its first frame; calls sent
+        before that wait in its pipe)."""
         with self._lock:
-            if self._executor is not broken:
-                return  # replaced already, by a call that failed with it
-            log.error("a host pool process died; starting a new pool")
-            self._executor = self._new_executor()
-        broken.shutdown(wait=False, cancel_futures=True)
+            if old not in self._procs:
+                return  # replaced already
+            log.error("host pool process %s died; starting a new one", old.process.pid)
+            old._died()
+            old.close()
+            index = self._procs.index(old)
+            self._procs[index] = self._new_process(index)
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        for proc in self._procs:
+            proc.close()

@@ -387,12 +387,27 @@ def phase_summarize(work: str, device: str, tiny: bool) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
+    # the same without encoding newcomers beside the steps: what the overlap costs a lone request
+    # and buys 8 clients (docs/gpu.md, issue 24)
+    proc, url = load.start_server(model_dir, batching=True, threads=None,
+                                  extra=["--device", device, "--no-overlap-encoding"])
+    try:
+        asyncio.run(load.sweep_point(url, "summarize", docs, 8, 8, 600))  # warm-up
+        alone_serial = asyncio.run(load.sweep_point(url, "summarize", docs, 1, 8, 600))
+        greedy_serial = asyncio.run(load.sweep_point(url, "summarize", docs, 8, 64, 600))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    log(f"  without the overlap: 1 client {alone_serial['throughput_rps']:.2f} req/s (with: "
+        f"{alone['throughput_rps']:.2f}); 8 clients {greedy_serial['throughput_rps']:.1f} req/s (with: "
+        f"{greedy['throughput_rps']:.1f})")
     log(f"  summarize greedy, 8 clients: {greedy['throughput_rps']:.1f} req/s, p50 {greedy['p50_ms']:.0f} ms, "
         f"p99 {greedy['p99_ms']:.0f} ms ({greedy['ok']}/{greedy['requests']} ok); beam 4: "
         f"{[b['status'] for b in beams]}, median {statistics.median(b['seconds'] for b in beams) * 1000:.0f} ms")
     log(f"  summarize greedy, 1 client: {alone['throughput_rps']:.1f} req/s; 32 clients: "
         f"{many['throughput_rps']:.1f} req/s, p50 {many['p50_ms']:.0f} ms ({many['ok']}/{many['requests']} ok)")
-    return {"greedy": greedy, "alone": alone, "clients32": many, "beam4": beams}
+    return {"greedy": greedy, "alone": alone, "clients32": many, "beam4": beams,
+            "no_overlap": {"alone": alone_serial, "greedy": greedy_serial}}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -451,6 +466,11 @@ def table(r: dict) -> str:
             a, m = r["summarize"]["alone"], r["summarize"]["clients32"]
             lines.append(f"\nservice, Pegasus-large summarize: 1 client {a['throughput_rps']:.2f} req/s; 32 clients "
                          f"{m['throughput_rps']:.2f} req/s, p50 {m['p50_ms']:.0f} ms, {m['ok']}/{m['requests']} ok")
+        if "no_overlap" in r["summarize"]:
+            a, n = r["summarize"]["alone"], r["summarize"]["no_overlap"]
+            lines.append(f"\nservice, Pegasus-large summarize without --overlap-encoding: 1 client "
+                         f"{n['alone']['throughput_rps']:.2f} req/s (with: {a['throughput_rps']:.2f}), 8 clients "
+                         f"{n['greedy']['throughput_rps']:.2f} req/s (with: {g['throughput_rps']:.2f})")
         lines.append(f"\nservice, Pegasus-large summarize ({c['new_tokens']} new tokens): greedy, 8 clients "
                      f"{g['throughput_rps']:.2f} req/s, p50 {g['p50_ms']:.0f} ms, p99 {g['p99_ms']:.0f} ms, "
                      f"{g['ok']}/{g['requests']} ok; beam 4 one at a time: median "

@@ -25,7 +25,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's choice)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="summarize: generated tokens")
     p.add_argument("--num-beams", type=int, default=None,
-                   help="summarize: beam width (default: the model's generation default, as the service answers)")
+                   help="summarize: beam width (default: the model's, as the service answers)")
     p.add_argument("--max-answer-tokens", type=int, default=128, help="qa: longest span considered")
     p.add_argument("--json", help="write the report (and predictions) to this JSON file (default: none written)")
     p.add_argument("--quiet", action="store_true", help="print only the report")

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     small_request_share: float = Field(
         0.25, ge=0, lt=1, description="share of max_queue_tokens kept for small requests")
     max_decode_batch: int = Field(16, ge=1, description="sequences decoding together (summarize)")
+    overlap_encoding: bool | None = Field(
+        None, description="summarize: encode newcomers on a second thread while the decode batch steps; "
+                          "unset: on for cuda, off for cpu (where both would share the same cores)")
 
     # request limits
     max_document_bytes: int = Field(2_000_000, ge=1, description="bytes per document (413 beyond)")

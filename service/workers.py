@@ -441,9 +441,11 @@ class CudaWorker(OnnxWorker):
 
 
 def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Worker:
-    if device.startswith("cuda"):
-        return CudaWorker(name, directory, device, settings.threads, settings.batch_tokens_for(device))
-    return OnnxWorker(name, directory, device, settings.threads, settings.batch_tokens_for(device))
+    cls = CudaWorker if device.startswith("cuda") else OnnxWorker
+    worker = cls(name, directory, device, settings.threads, settings.batch_tokens_for(device))
+    if getattr(settings, "overlap_encoding", None) is not None:  # else the worker class's default
+        worker.overlaps_encoding = settings.overlap_encoding
+    return worker
 
 
 # ---------------------------------------------------------------------------------------------

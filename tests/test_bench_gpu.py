@@ -27,4 +27,6 @@ def test_gpu_script_runs_every_phase_on_the_cpu(tmp_path):
     assert {v["max_abs_diff"] for v in result["encoder_opts"].values()} == {0.0}  # CPU: every level exact here
     s = result["summarize"]
     assert s["greedy"]["ok"] == 64 and s["clients32"]["ok"] == 128 and [b["status"] for b in s["beam4"]] == [200] * 4
+    assert s["no_overlap"]["greedy"]["ok"] == 64 and s["no_overlap"]["alone"]["ok"] == 8
+    assert "without --overlap-encoding" in out.stdout
     assert "service, 32 clients" in out.stdout and "encoder settings" in out.stdout

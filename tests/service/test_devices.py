@@ -133,3 +133,22 @@ def test_the_search_uploads_the_encoder_state_once(recorded_sessions, monkeypatc
     assert got == want and len(got[0]) > 3
     L = model.manifest.decoder["num_layers"]
     assert len(uploads) == 2 * L + 1  # cross key and value per layer, the encoder mask: once
+
+
+def test_overlap_encoding_is_the_devices_default_unless_set(recorded_sessions, tiny_summarize_dir):
+    """Issue 24: whether a summarizer encodes newcomers beside the decode steps can be switched
+    (`--overlap-encoding` / `--no-overlap-encoding`), so that its cost to a lone request can be
+    measured; unset, a CUDA worker overlaps and a CPU worker does not."""
+    from longdoc.service.cli import add_commands
+
+    assert onnx_worker_factory("s", tiny_summarize_dir, "cuda", Settings(threads=1)).overlaps_encoding is True
+    assert onnx_worker_factory("s", tiny_summarize_dir, "cpu", Settings(threads=1)).overlaps_encoding is False
+    off = onnx_worker_factory("s", tiny_summarize_dir, "cuda", Settings(threads=1, overlap_encoding=False))
+    on = onnx_worker_factory("s", tiny_summarize_dir, "cpu", Settings(threads=1, overlap_encoding=True))
+    assert off.overlaps_encoding is False and on.overlaps_encoding is True
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--no-overlap-encoding"])
+    assert args.overlap_encoding is False

@@ -28,6 +28,8 @@ def other_value(name: str, field) -> tuple[list[str], str, object]:
     annotation = field.annotation
     default = field.get_default(call_default_factory=True)
     kinds = {a for a in typing.get_args(annotation) if a is not type(None)} or {annotation}
+    if kinds == {bool} and annotation is not bool:  # bool | None: unset by default, a flag turns it on
+        return [flag], "true", True
     if annotation is bool:
         return [f"--no-{name.replace('_', '-')}" if default else flag], str(not default).lower(), not default
     if typing.get_origin(annotation) is typing.Literal:

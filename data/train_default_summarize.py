@@ -582,27 +582,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="page: the page-level split's train part (summarize_train.jsonl); package: the package-"
                              "disjoint split's (every page of data/packages.txt; its validation and test packages are "
                              "those of data/packages-heldout.txt) (default: %(default)s)")
-    parser.add_argument("--train", default=None, help="training JSONL (default: the --split's train part)")
-    parser.add_argument("--eval", default=None, help="eval-loss JSONL, only at the end (default: none)")
-    parser.add_argument("--output", default=None,
-                        help="run folder (default: data/cache/runs/summarize-b2b, or .../summarize for pegasus)")
-    parser.add_argument("--max-length", type=int, default=768, help="encoder tokens per page (default: %(default)s)")
-    parser.add_argument("--max-target-length", type=int, default=48, help="summary tokens (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=8, help="pages per step (default: %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=360, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate (default: 3e-4 for bert2bert, 5e-4 for pegasus)")
-    parser.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
+    from longdoc.model.train_config import add_train_arguments
+
+    # the TrainConfig fields this recipe exposes, with its own defaults (help texts: model/train_config.py)
+    add_train_arguments(parser, only=("train", "eval", "output", "max_length", "max_target_length", "batch_size",
+                                      "max_steps", "lr", "save_every", "device", "precision", "freeze_encoder",
+                                      "seed"),
+                        defaults={"train": None, "output": None, "max_length": 768, "max_target_length": 48,
+                                  "batch_size": 8, "max_steps": 360, "lr": None, "save_every": 25, "device": "cpu",
+                                  "precision": "fp32"},
+                        helps={"train": "training JSONL (default: the --split's train part)",
+                               "eval": "eval-loss JSONL, only at the end",
+                               "output": "run folder (default: data/cache/runs/summarize-b2b, or .../summarize for pegasus)",
+                               "lr": "peak learning rate (default: 3e-4 for bert2bert, 5e-4 for pegasus)",
+                               "freeze_encoder": "train the decoder only: the trained MiniLM encoder collapsed "
+                                                 "(docs/model-summarize.md)"})
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu, cuda or cuda:N; on CUDA, --precision bf16 is CUDA autocast (default: %(default)s)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16 = CPU autocast, faster where the CPU has bf16 dot products "
-                             "(bench/train_precision.py measures it) (default: %(default)s)")
-    parser.add_argument("--freeze-encoder", action="store_true",
-                        help="train the decoder only: the trained MiniLM encoder collapsed (docs/model-summarize.md) "
-                             "(default: off)")
-    parser.add_argument("--seed", type=int, default=0, help="data order and dropout (default: %(default)s)")
     parser.add_argument("--init", help="start from this checkpoint instead of a fresh init (default: none)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output (default: off)")
     parser.add_argument("--mix", action="store_true",
@@ -617,19 +612,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from longdoc.model.train import TrainConfig, train
+    from longdoc.model.train import train
+    from longdoc.model.train_config import config_from_args
 
     torch.set_num_threads(args.threads)
     fresh = build_init_b2b if args.arch == "bert2bert" else build_init
     start = args.init or (INIT[args.arch] if args.resume else str(fresh()))
     lr = args.lr if args.lr is not None else (3e-4 if args.arch == "bert2bert" else 5e-4)
-    cfg = TrainConfig(task="summarize", model=start, train=train_file, eval=args.eval,
-                      output=args.output or OUTPUT[args.arch], max_length=args.max_length,
-                      max_target_length=args.max_target_length, batch_size=args.batch_size, max_steps=args.max_steps,
-                      lr=lr, warmup_ratio=0.06, weight_decay=0.01, log_every=1, save_every=args.save_every,
-                      eval_every=0, keep_checkpoints=3, device=args.device, precision=args.precision, seed=args.seed,
-                      freeze_encoder=args.freeze_encoder,
-                      resume=bool(args.resume))
+    cfg = config_from_args(args, task="summarize", model=start, train=train_file,
+                           output=args.output or OUTPUT[args.arch], lr=lr, warmup_ratio=0.06, weight_decay=0.01,
+                           log_every=1, eval_every=0, keep_checkpoints=3, resume=bool(args.resume))
     result = train(cfg)
     print(f"final loss {result.train_loss:.4f} at step {result.step}: {result.output}")
     return 0

@@ -14,52 +14,9 @@ def add_commands(subparsers) -> None:
             "Data formats: docs/training.md."
         ),
     )
-    p.add_argument("--task", required=True, choices=("mlm", "qa", "classify", "summarize"), help="training objective")
-    p.add_argument("--model", required=True, help="checkpoint dir to start from, or a config.json (random init)")
-    p.add_argument("--train", required=True, help="training JSONL")
-    p.add_argument("--eval", default=None,
-                   help="evaluation JSONL (eval loss every --eval-every steps; default: no evaluation)")
-    p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its dir (default: the model's dir)")
-    p.add_argument("--max-length", type=int, default=None, help="encoder tokens (default: max_position_embeddings)")
-    p.add_argument("--max-target-length", type=int, default=256, help="summarize: summary tokens")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW, linear decay)")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: --warmup-ratio of the steps")
-    p.add_argument("--warmup-ratio", type=float, default=0.06, help="share of the steps warming up")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training data")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="optimizer steps, overriding --epochs (default: from --epochs)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
-    p.add_argument("--eval-every", type=int, default=500, help="0: only at the end")
-    p.add_argument("--save-every", type=int, default=500, help="0: only at the end")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest OUTPUT/checkpoint-* kept")
-    p.add_argument("--freeze-encoder", action="store_true",
-                   help="summarize: train the decoder only, the encoder keeps its weights (default: off)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto: bf16 autocast on CUDA where supported, else fp16; fp32 on CPU. "
-                        "bf16 works on CPU too, fp16 only on CUDA (default: auto)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, masking)")
-    p.add_argument("--plan", choices=("hf-train", "hf-eval", "seeded"), default="hf-train",
-                   help="random-block plan (hf-train: the blocks the public checkpoints were trained with)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the latest OUTPUT/checkpoint-* (or the given checkpoint dir; "
-                        "default: start afresh)")
-    p.add_argument("--mlm-probability", type=float, default=0.15, help="mlm: share of tokens masked")
-    p.add_argument("--qa-long-context", choices=("window", "truncate"), default="window",
-                   help="qa: contexts longer than max-length become overlapping windows, or are cut")
-    p.add_argument("--doc-stride", type=int, default=256, help="qa windows: context tokens between window starts")
-    p.add_argument("--max-question-length", type=int, default=64, help="qa: question tokens kept")
-    p.add_argument("--qa-negative-windows", type=float, default=1.0,
-                   help="qa windows: share of windows without the answer that is kept (0: only answer windows)")
-    p.add_argument("--labels", default=None, help="classify: comma-separated label names (default: from the data)")
-    p.add_argument("--dropout", type=float, default=None,
-                   help="override the config's dropout probabilities (default: the config's)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    from longdoc.model.train_config import add_train_arguments
+
+    add_train_arguments(p)  # one flag per TrainConfig field, its help and default written there
     p.set_defaults(func=_train)
 
     w = subparsers.add_parser(
@@ -85,45 +42,10 @@ def add_commands(subparsers) -> None:
 
 
 def _train(args) -> int:
-    from longdoc.model.train import TrainConfig, train
+    from longdoc.model.train import train
+    from longdoc.model.train_config import config_from_args
 
-    config = TrainConfig(
-        task=args.task,
-        model=args.model,
-        train=args.train,
-        eval=args.eval,
-        output=args.output,
-        tokenizer=args.tokenizer,
-        max_length=args.max_length,
-        max_target_length=args.max_target_length,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        max_grad_norm=args.max_grad_norm,
-        log_every=args.log_every,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints,
-        precision=args.precision,
-        freeze_encoder=args.freeze_encoder,
-        device=args.device,
-        seed=args.seed,
-        plan=args.plan,
-        resume=args.resume or False,
-        mlm_probability=args.mlm_probability,
-        qa_long_context=args.qa_long_context,
-        doc_stride=args.doc_stride,
-        max_question_length=args.max_question_length,
-        qa_negative_windows=args.qa_negative_windows,
-        labels=[s.strip() for s in args.labels.split(",")] if args.labels else None,
-        dropout=args.dropout,
-        quiet=args.quiet,
-    )
+    config = config_from_args(args)
     result = train(config)
     print(f"{result.output} step {result.step} train_loss {result.train_loss:.4f}"
           + (f" eval_loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""))

@@ -45,6 +45,7 @@ from torch import nn
 
 from longdoc.model import data as D
 from longdoc.model.registry import lookup, model_types_for, summarize_input_of
+from longdoc.model.train_config import TrainConfig  # noqa: F401 (the one description of a run; re-exported)
 
 STATE_FILE = "training_state.pt"
 STATE_JSON = "trainer_state.json"
@@ -58,47 +59,6 @@ HEAD_PREFIXES = {
 }
 # keys a checkpoint may hold that the task model does not use (another task's head), dropped
 OTHER_HEAD_PREFIXES = ("cls.", "qa_classifier.", "classifier.", "bert.pooler.", "lm_head.", "final_logits_bias")
-
-
-@dataclass
-class TrainConfig:
-    task: str  # "mlm" | "qa" | "classify" | "summarize"
-    model: str  # checkpoint dir (HF format) to start from, or a config.json for random init
-    train: str  # JSONL (see longdoc.model.data)
-    output: str  # directory: checkpoint-STEP/ subdirs and, at the end, the final model
-    eval: str | None = None
-    tokenizer: str | None = None  # dir with tokenizer.json, or the file; default: the model's dir
-    max_length: int | None = None  # encoder tokens; default: the config's max_position_embeddings
-    max_target_length: int = 256  # summarize: summary tokens
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int | None = None  # default: warmup_ratio * total steps
-    warmup_ratio: float = 0.06
-    epochs: float = 1.0
-    max_steps: int | None = None  # optimizer steps; overrides epochs
-    max_grad_norm: float = 1.0
-    log_every: int = 10
-    eval_every: int = 500  # steps; 0 = only at the end
-    save_every: int = 500  # steps; 0 = only at the end
-    keep_checkpoints: int = 2
-    precision: str = "auto"  # "auto" | "fp32" | "bf16" | "fp16"
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    seed: int = 0
-    plan: str = "hf-train"
-    resume: str | bool = False  # True: latest OUTPUT/checkpoint-*; a path: that checkpoint
-    mlm_probability: float = 0.15
-    qa_long_context: str = "window"  # "window" | "truncate" (see longdoc.model.data.qa_features)
-    doc_stride: int = 256
-    max_question_length: int = 64
-    qa_negative_windows: float = 1.0  # share of answer-less windows kept (see longdoc.model.data.qa_features)
-    labels: list[str] | None = None  # classify: label names (default: the model's, else the data's)
-    dropout: float | None = None  # override the config's dropout probabilities
-    freeze_encoder: bool = False  # summarize: train the decoder only (see freeze_encoder)
-    quiet: bool = False
 
 
 @dataclass

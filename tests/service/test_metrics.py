@@ -17,7 +17,7 @@ from longdoc.service.batcher import EncoderBatcher, RequestState, WorkerSlot
 from longdoc.service.batching import BatchingPolicy
 from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
-from longdoc.service.workers import FakeWorker
+from longdoc.testing.fake_worker import FakeWorker
 from tests.service.conftest import running_app
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -76,7 +76,7 @@ class FakeWorker:
 
     def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
         self._maybe_fail()
-        if self.delay_s:
+        if self.delay_s:  # slow on purpose: the time a model would take, which the tests ask for
             time.sleep(self.delay_s)
         ids = batch.input_ids
         assert ids.shape[1] <= self.info.max_length, ids.shape
@@ -101,7 +101,7 @@ class FakeWorker:
         pass
 
     def _next_logits(self, states: list[Any]) -> np.ndarray:
-        if self.delay_s:
+        if self.delay_s:  # slow on purpose, as in run
             time.sleep(self.delay_s)
         logits = np.zeros((len(states), self.vocab_size), np.float32)
         for i, s in enumerate(states):

@@ -10,9 +10,7 @@ batching defaults"). Random token ids (the numbers do not depend on them).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +23,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from longdoc.export.runtime import OnnxModel
 
     m = OnnxModel(args.model_dir, threads=args.threads)

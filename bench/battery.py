@@ -29,11 +29,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+# bench/ is a folder of scripts: run as one, a script's own folder is on sys.path
+import load
+from load import free_port, wait_ready  # one port picker, one start-up wait
+from slow_clients import rss_mib  # one VmRSS reader
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from slow_clients import rss_mib  # noqa: E402  (one VmRSS reader)
-import load  # noqa: E402
-from load import free_port, wait_ready  # noqa: E402  (one port picker, one start-up wait)
 
 SMALL_DOC = "The committee met on Tuesday and approved the budget for the new library. " * 4
 QUESTION = "When did the committee meet?"

@@ -41,9 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from longdoc.export.manifest import INT8_ATTENTION  # NumPy-free, no onnx
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from longdoc.export.manifest import INT8_ATTENTION  # noqa: E402 (NumPy-free, no onnx)
 
 KINDS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-torch", "hf-traced", "full-onnx")
 INT8_ATTENTION_DEFAULT = "per-row"  # the mode docs/bench_export.md measured as ours-int8-attn
@@ -76,9 +76,8 @@ def prepare(work: Path, max_position: int, log, kinds=KINDS, int8_attention: str
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT))
     from longdoc.export.exporter import export_model
-    from tests.tiny_models import tiny_tokenizer
+    from longdoc.testing.tiny_models import tiny_tokenizer
 
     paths = {}
     ck = work / f"ckpt-{max_position}"
@@ -179,7 +178,6 @@ def load(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0):
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         # ORT's default session options; like ours (export/runtime.py), the heap freed while
         # loading goes back to the OS (not an ORT option: it applies to any session equally)
-        sys.path.insert(0, str(ROOT))
         from longdoc.export.runtime import _release_freed_heap
 
         _release_freed_heap()
@@ -187,7 +185,6 @@ def load(kind: str, path: str, S: int, threads: int, mem_cap_gib: float = 0):
         def run():
             session.run(None, {"input_ids": ids, "attention_mask": mask})
     else:
-        sys.path.insert(0, str(ROOT))
         from longdoc.export.runtime import OnnxModel
 
         model = OnnxModel(path, threads=threads)
@@ -346,7 +343,6 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    sys.path.insert(0, str(ROOT))
     from longdoc.export.runtime import OnnxModel
     from longdoc.model.layout import _build_layout
 

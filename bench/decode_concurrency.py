@@ -30,10 +30,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-import load  # noqa: E402  (bench/load.py: start_server, make_document)
+import load  # bench/load.py (the script's folder): start_server, make_document
 
 SHAPE = dict(d_model=512, encoder_layers=2, decoder_layers=4, encoder_attention_heads=8, decoder_attention_heads=8,
              encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=4096, block_size=64,
@@ -49,7 +46,7 @@ def make_model(work: Path) -> Path:
     import transformers
 
     from longdoc.export.exporter import export_model
-    from tests.tiny_models import tiny_tokenizer
+    from longdoc.testing.tiny_models import tiny_tokenizer
 
     out = work / "model"
     if (out / "manifest.json").is_file():

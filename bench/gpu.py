@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "hf", "service", "pegasus", "summarize")
 H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
 
@@ -60,7 +58,7 @@ def child(phase: str, **kwargs) -> dict:
 def configs(tiny: bool) -> dict:
     if not tiny:
         return {"qa": {}, "summarize": {}, "length": 4096, "batches": [1, 8, 32], "new_tokens": 32}
-    from tests.tiny_models import tiny_config
+    from longdoc.testing.tiny_models import tiny_config
 
     return {"qa": tiny_config("qa"), "summarize": tiny_config("summarize"), "length": 512, "batches": [1, 2],
             "new_tokens": 8}
@@ -70,7 +68,7 @@ def qa_batch(B: int, S: int, seed: int = 0):
     """B rows of [CLS] question [SEP] document [SEP] of exactly S tokens (ids of the tiny tokenizer)."""
     import numpy as np
 
-    from tests.tiny_models import CLS, SEP
+    from longdoc.testing.tiny_models import CLS, SEP
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(10, 400, (B, S)).astype(np.int64)
@@ -98,7 +96,7 @@ def phase_make(work: str, task: str, tiny: bool) -> dict:
     import transformers
 
     from longdoc.export.exporter import export_model
-    from tests.tiny_models import tiny_tokenizer
+    from longdoc.testing.tiny_models import tiny_tokenizer
 
     ckpt, out = Path(work) / f"ckpt-{task}", Path(work) / f"fp16-{task}"
     torch.manual_seed(0)

@@ -40,10 +40,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+# bench/ is a folder of scripts: run as one, a script's own folder is on sys.path
+from load import free_port, start_server, wait_ready
+from real_size import child, log, peak_rss_gib
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from load import free_port, start_server, wait_ready  # noqa: E402  (bench/ is a folder of scripts)
-from real_size import child, log, peak_rss_gib  # noqa: E402
 
 SYSTEMS = ("ours-int8", "ours-fp32", "hf-torch")
 MAX_ANSWER_TOKENS = 30  # both systems: spans of at most this many tokens

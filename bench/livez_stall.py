@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -31,7 +27,7 @@ def main() -> None:
 
     from longdoc.service.app import create_app
     from longdoc.service.settings import Settings
-    from longdoc.service.workers import FakeWorker
+    from longdoc.testing.fake_worker import FakeWorker
 
     app = create_app(Settings(models={"cls": "classify"}, warmup=False),
                      worker_factory=lambda name, directory, device, settings: FakeWorker(name, str(directory)))

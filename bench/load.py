@@ -182,7 +182,6 @@ async def open_loop(url: str, task: str, docs: list[str], arrivals: np.ndarray) 
 def offline_throughput(model_dir: str, task: str, docs: list[str], batch_size: int, threads: int | None,
                        max_seconds: float) -> float:
     """Documents per second running the model directly in batches (no HTTP, no queue)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from longdoc.export.runtime import OnnxModel
 
     from longdoc.export.windows import classify_windows, qa_windows
@@ -222,11 +221,10 @@ BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, 
 def make_bench_model(directory: str, task: str) -> None:
     """A random-weight BigBird of BENCH_MODEL's shape (block 64, up to 4096 tokens), exported.
     Needs torch + transformers (the dev install); the numbers do not depend on the weights."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
     from longdoc.export.exporter import export_model
-    from tests.tiny_models import make_tiny_checkpoint
+    from longdoc.testing.tiny_models import make_tiny_checkpoint
 
     torch.set_num_threads(1)
     checkpoint = make_tiny_checkpoint(Path(directory + "-checkpoint"), task, **BENCH_MODEL)

@@ -21,7 +21,7 @@ child asks the kernel to kill it first when memory runs out (oom_score_adj 1000)
 
     .venv/bin/python bench/longformer.py --work /tmp/longdoc-longformer --threads 2 --reps 2
 
-`--config tiny` runs the same on the tests' tiny Longformer (tests/tiny_models.py; a smoke test
+`--config tiny` runs the same on the tests' tiny Longformer (longdoc/testing/tiny_models.py; a smoke test
 of the script, e.g. `--config tiny --work /tmp/lf-tiny --length 100 --reps 1`).
 
 `--positions 16386` builds the checkpoint with LED's position count (16384 tokens after
@@ -61,8 +61,8 @@ def make_checkpoint(directory: Path, positions: int, config: str) -> None:
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT))
-    from tests.tiny_models import make_tiny_longformer, tiny_tokenizer  # ids are random: any tokenizer will do
+    # ids are random: any tokenizer will do
+    from longdoc.testing.tiny_models import make_tiny_longformer, tiny_tokenizer
 
     if config == "tiny":
         make_tiny_longformer(directory, "qa")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -30,11 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_export import BS, E, H, I, L, R, matmul_peaks  # noqa: E402
+from bench_export import BS, E, H, I, L, R, matmul_peaks  # bench/bench_export.py (the script's folder)
 
 _GEMM_OPS = {"MatMul", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "FusedMatMul", "Gemm"}
 

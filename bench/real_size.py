@@ -68,8 +68,7 @@ def phase_make(ckpt: str, kind: str, task: str, config: dict) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT))
-    from tests.tiny_models import tiny_tokenizer
+    from longdoc.testing.tiny_models import tiny_tokenizer
 
     torch.manual_seed(0)
     cfg_cls = transformers.BigBirdPegasusConfig if kind == "bigbird_pegasus" else transformers.BigBirdConfig
@@ -145,10 +144,8 @@ def phase_generate(model_dir: str, ckpt: str, tokens: int, new_tokens: int, thre
 def serve_and_time(name: str, model_dir: Path, task: str, threads: int, lengths=(1024, 4096)) -> dict:
     import httpx
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
     from load import free_port, wait_ready
-    from tests.tiny_models import TINY_WORDS
+    from longdoc.testing.tiny_models import TINY_WORDS
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--model", f"{name}={model_dir}",

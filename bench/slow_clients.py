@@ -27,7 +27,7 @@ def serve(port: int, overrides: dict) -> None:
     from longdoc.service.app import create_app
     from longdoc.service.connections import limited_protocol
     from longdoc.service.settings import Settings
-    from longdoc.service.workers import FakeWorker
+    from longdoc.testing.fake_worker import FakeWorker
 
     settings = Settings(models={"cls": "classify"}, port=port, **overrides)
     app = create_app(settings, worker_factory=lambda name, d, device, s: FakeWorker(name=name, task=str(d)))

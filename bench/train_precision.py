@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,15 +39,14 @@ def main() -> None:
 
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from longdoc.model import data as D
     from longdoc.model.train import TrainConfig, Trainer, task_loss
 
     torch.set_num_threads(a.threads)
     if not (Path(a.model) / "config.json").is_file():
-        from data.train_default_summarize import build_init_b2b
-
-        build_init_b2b(a.model)
+        # data/ is the repository's folder, not installed: import it from the repository root
+        subprocess.run([sys.executable, "-c", "import sys; from data.train_default_summarize import build_init_b2b; "
+                        "build_init_b2b(sys.argv[1])", str(Path(a.model).resolve())], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(TrainConfig(task="summarize", model=a.model, train=a.train, output=out, max_length=a.max_length,
                                       max_target_length=48, batch_size=a.batch_size, max_steps=1, device="cpu",

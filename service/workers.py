@@ -9,13 +9,13 @@ decoder step, raising `GenerationStopped` when it returns true.
 
 - `OnnxWorker`: `longdoc.export.runtime.OnnxModel` on ONNX Runtime's CPU execution provider
   (intra-op threads configurable), or on CUDA (`CudaWorker`).
-- `FakeWorker`: a deterministic stand-in with a tiny in-code tokenizer, for API tests.
+
+The tests' deterministic stand-in for a worker, `FakeWorker`, is in `longdoc.testing` (which the
+service never imports).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from longdoc.export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
-from longdoc.model.search import SearchSettings, beam_search, greedy_search
+from longdoc.model.search import SearchSettings
 from longdoc.export.runtime import parse_device
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
@@ -447,120 +447,3 @@ def onnx_worker_factory(name: str, directory: Path, device: str, settings) -> Wo
         worker.overlaps_encoding = settings.overlap_encoding
     return worker
 
-
-# ---------------------------------------------------------------------------------------------
-# The fake worker (tests): deterministic "models" over a tiny word-level tokenizer.
-
-FAKE_SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "eos": 5, "bos": 6, "decoder_start": 0}
-FAKE_GENERATION = {"eos_token_id": 5, "pad_token_id": 0, "decoder_start_token_id": 0}
-FAKE_WORDS = ("gold", "good", "bad", "the", "is", "where", "what", "a", "of", "and", "answer")
-
-
-def fake_tokenizer(extra_words: int = 200) -> Tokenizer:
-    from tokenizers import models, normalizers, pre_tokenizers
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "</s>": 5, "<s>": 6}
-    for w in (*FAKE_WORDS, *(f"w{i}" for i in range(extra_words))):
-        vocab[w] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return tok
-
-
-class FakeWorker:
-    """qa: start and end logits peak on the token "gold"; classify: logits = counts of "bad" and
-    "good" per window (labels bad, good); summarize: copies the document's first tokens, then
-    eos. `delay_s` sleeps per run/step; `fail_runs` makes that many runs raise."""
-
-    def __init__(self, name: str = "fake", task: str = "qa", max_length: int = 64, block_size: int = 8,
-                 delay_s: float = 0.0, fail_runs: int = 0, summary_tokens: int = 6, max_batch_tokens: int = 4096):
-        self.device = "cpu"
-        self.tokenizer = fake_tokenizer()
-        self.info = ModelInfo(
-            name=name, task=task, max_length=max_length, block_size=block_size, tokenizer=self.tokenizer,
-            special_tokens=dict(FAKE_SPECIALS), labels=("bad", "good") if task == "classify" else None,
-            plan="hf-eval", max_new_tokens=64, generation=dict(FAKE_GENERATION),
-        )
-        self.max_batch_tokens = max_batch_tokens
-        self.delay_s = delay_s
-        self.fail_runs = fail_runs
-        self.summary_tokens = summary_tokens
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        self.batches: list[tuple[int, int]] = []  # (batch size, padded length) per run
-        self.steps: list[int] = []  # requests per decoder step
-        self._lock = threading.Lock()
-        self._healthy = True
-        self.closed = False
-
-    def health(self) -> bool:
-        return self._healthy
-
-    def warmup(self) -> None:
-        n = self.info.max_length
-        self.run(EncoderBatch(np.ones((1, n), np.int64), np.ones((1, n), np.int64), None))
-        self.batches.clear()
-
-    def _maybe_fail(self) -> None:
-        with self._lock:
-            if self.fail_runs > 0:
-                self.fail_runs -= 1
-                self._healthy = False
-                raise RuntimeError("fake worker failure")
-
-    def run(self, batch: EncoderBatch) -> dict[str, np.ndarray]:
-        self._maybe_fail()
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        ids = batch.input_ids
-        assert ids.shape[1] <= self.info.max_length, ids.shape
-        self.batches.append(ids.shape)
-        vocab = self.tokenizer.get_vocab()
-        if self.info.task == "qa":
-            hit = (ids == vocab["gold"]).astype(np.float32) * 10.0
-            return {"start_logits": hit, "end_logits": hit.copy()}
-        bad = (ids == vocab["bad"]).sum(axis=1)
-        good = (ids == vocab["good"]).sum(axis=1)
-        return {"logits": np.stack([bad, good], axis=1).astype(np.float32)}
-
-    def begin(self, input_ids: list[list[int]]) -> list[Any]:
-        self._maybe_fail()
-        return [{"source": list(ids), "length": 0} for ids in input_ids]
-
-    def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
-        self.steps.append(len(states))
-        return self._next_logits(states)
-
-    def release(self) -> None:
-        pass
-
-    def _next_logits(self, states: list[Any]) -> np.ndarray:
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        logits = np.zeros((len(states), self.vocab_size), np.float32)
-        for i, s in enumerate(states):
-            source = [t for t in s["source"] if t > FAKE_SPECIALS["bos"]]
-            n = s["length"]
-            nxt = source[n] if n < min(len(source), self.summary_tokens) else FAKE_SPECIALS["eos"]
-            logits[i, nxt] = 1.0
-            s["length"] += 1
-        return logits
-
-    def generate(self, input_ids: list[int], settings: SearchSettings,
-                 should_stop: Callable[[], bool] | None = None) -> list[int]:
-        """model/search.py over the decoder steps: the next token depends only on the position,
-        so beams need no reordering."""
-        states = self.begin([input_ids] * settings.num_beams)
-
-        def next_logits(sequences: np.ndarray) -> np.ndarray:
-            self.steps.append(1)  # one request, however many beams
-            return self._next_logits(states)
-
-        if settings.num_beams == 1:
-            out = greedy_search(next_logits, 1, settings, should_stop)
-        else:
-            out = beam_search(next_logits, lambda rows: None, 1, settings, should_stop)
-        return generated_tokens(out[0].tolist(), settings)
-
-    def close(self) -> None:
-        self.closed = True

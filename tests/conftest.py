@@ -1,4 +1,4 @@
-"""Shared session fixtures: tiny exported model directories (see tests/tiny_models.py).
+"""Shared session fixtures: tiny exported model directories (see longdoc/testing/tiny_models.py).
 
 Engineers' tests (export/, service/) use these; each is built once per test session."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_export
+from longdoc.testing.tiny_models import make_tiny_checkpoint, make_tiny_export
 
 
 def _export(tmp_path_factory, task: str, dtype: str = "fp32"):

@@ -8,7 +8,7 @@ import json
 import random
 
 from data.qa_windows import records_by_page, window_record
-from tests.tiny_models import tiny_tokenizer
+from longdoc.testing.tiny_models import tiny_tokenizer
 
 PAGES = {
     "ls.1": " ".join(f"word{i}" for i in range(300)) + " list directory contents here",

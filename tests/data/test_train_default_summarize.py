@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from data.train_default_summarize import KEEP_FIRST, shrink_vocabulary
-from tests.tiny_models import BOS, EOS, PAD, make_tiny_checkpoint, make_tiny_encoder_decoder
+from longdoc.testing.tiny_models import BOS, EOS, PAD, make_tiny_checkpoint, make_tiny_encoder_decoder
 
 CORPUS = [{"document": "the water was hot and the sun was red .", "summary": "hot water"},
           {"document": "write a letter to your mother , then read the book .", "summary": "write a letter"}]

@@ -21,6 +21,7 @@ import pytest
 
 from tests.deploy import stack
 from tests.deploy.conftest import ROOT, require_tool
+from tests.polling import until
 
 BASE_IMAGE = "localhost/debian-python:bookworm"
 IMAGE = "localhost/longdoc:ci"
@@ -60,6 +61,13 @@ def post_json(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
             return r.status, json.load(r)
     except urllib.error.HTTPError as e:
         return e.code, json.load(e)
+
+
+def in_flight_requests(url: str) -> float:
+    """longdoc_in_flight_requests, summed over endpoints, from the service's /metrics."""
+    _, body = stack.get(url + "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("longdoc_in_flight_requests{"))
 
 
 def test_image_is_torch_free_and_non_root(image):
@@ -132,10 +140,19 @@ def test_container_serves_qa_and_drains_on_sigterm(image, readable_model):
         client = threading.Thread(target=lambda: in_flight.update(
             result=post_json(url + "/v1/qa", {"question": QUESTION, "document": DOCUMENT})))
         client.start()
-        time.sleep(1.0)
+        # in flight: it then waits LONGDOC_MAX_WAIT_MS (2.5 s) in the batcher for company
+        until(lambda: in_flight_requests(url) >= 1, "the request is in flight", timeout_s=30)
         sent = time.monotonic()
         podman("kill", "--signal", "TERM", name)
-        time.sleep(0.5)
+
+        def listener_closed() -> bool:
+            try:
+                stack.get(url + "/livez", timeout=2)
+            except OSError:
+                return True
+            return False
+
+        until(listener_closed, "SIGTERM closed the listener", timeout_s=10)
         with pytest.raises(OSError):  # the listener is closed (or the connection refused / reset)
             status, _ = post_json(url + "/v1/qa", {"question": QUESTION, "document": DOCUMENT}, timeout=10)
             if status == 503:  # accepted just before closing: refused by the draining service

@@ -13,7 +13,7 @@ from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.graph import LOWERED_ACTIVATIONS, GraphBuilder
 from longdoc.export.verify import verify_model
 from longdoc.model.activations import ACTIVATIONS
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder
+from longdoc.testing.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder
 
 
 def quiet(_msg):

@@ -119,7 +119,7 @@ def test_summarize_eval_reports_pages_beyond_the_window_and_distinct_outputs(tin
     distinct summaries: the `beyond-window` subset holds exactly the pages the service cuts, and
     `distinct` counts the model's distinct outputs."""
     from longdoc.export.runtime import OnnxModel
-    from tests.tiny_models import TINY_WORDS
+    from longdoc.testing.tiny_models import TINY_WORDS
 
     model = OnnxModel(tiny_summarize_dir, threads=1)
     max_length = model.manifest.max_length
@@ -146,7 +146,7 @@ def test_summarize_eval_uses_the_models_search_settings_by_default(tiny_summariz
 
     from longdoc.export.eval_cli import add_commands
     from longdoc.export.runtime import OnnxModel
-    from tests.tiny_models import TINY_WORDS
+    from longdoc.testing.tiny_models import TINY_WORDS
 
     model_dir = tmp_path / "beam3"
     shutil.copytree(tiny_summarize_dir, model_dir)

@@ -15,7 +15,7 @@ from longdoc.export.census import check_graph
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import Agreement, verify_lengths, verify_model
-from tests.tiny_models import SEP, make_tiny_checkpoint
+from longdoc.testing.tiny_models import SEP, make_tiny_checkpoint
 
 
 def checkpoint_of(model_dir):
@@ -249,7 +249,7 @@ def test_manifest_special_tokens_are_complete(tiny_qa_dir, tiny_summarize_dir):
     """BERT-style configs name no [CLS]: the exporter asks the tokenizer, so the manifest is the
     whole truth and the service, eval and verify read it as is (no patch-ups downstream)."""
     from longdoc.export.manifest import Manifest
-    from tests.tiny_models import CLS, EOS, MASK, PAD
+    from longdoc.testing.tiny_models import CLS, EOS, MASK, PAD
 
     qa = Manifest.load(tiny_qa_dir).special_tokens
     assert (qa["cls"], qa["sep"], qa["pad"], qa["mask"]) == (CLS, SEP, PAD, MASK)
@@ -261,7 +261,7 @@ def test_tokenizer_files_name_the_special_tokens(tmp_path):
     """special_tokens_map.json wins over config ids (what the tokenizer really emits)."""
     import json
 
-    from tests.tiny_models import CLS
+    from longdoc.testing.tiny_models import CLS
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qa")
     (ckpt / "special_tokens_map.json").write_text(json.dumps({"sep_token": "[CLS]"}))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny_models import CLS, PAD, SEP, make_tiny_encoder_decoder, tiny_tokenizer
+from longdoc.testing.tiny_models import CLS, PAD, SEP, make_tiny_encoder_decoder, tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import pytest
 
 from longdoc.export.exporter import generation_defaults
 from longdoc.export.runtime import OnnxModel
-from tests.tiny_models import EOS, TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
+from longdoc.testing.tiny_models import EOS, TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
 
 
 def test_generation_config_json_wins_over_config_json(tmp_path):

@@ -14,7 +14,7 @@ from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import INT8_ATTENTION, Manifest, ManifestError, file_checksums
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import verify_model
-from tests.tiny_models import make_tiny_checkpoint
+from longdoc.testing.tiny_models import make_tiny_checkpoint
 
 MODES = [m for m in INT8_ATTENTION if m != "off"]
 # tests/export/test_verify.py's decisive QA shape: int8 keeps the best span there

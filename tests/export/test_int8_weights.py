@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import Manifest, ManifestError
 from longdoc.export.runtime import OnnxModel
-from tests.tiny_models import make_tiny_checkpoint
+from longdoc.testing.tiny_models import make_tiny_checkpoint
 
 QA_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, initializer_range=0.02)
 

@@ -118,7 +118,7 @@ def test_external_weights_are_checksummed_too(tmp_path, tiny_checkpoint_dir, mon
     import onnx
 
     from longdoc.export import exporter
-    from tests.tiny_models import make_tiny_export
+    from longdoc.testing.tiny_models import make_tiny_export
 
     def save_external(model, path):  # what longdoc.export.graph.save_model does over 1.8 GB, at any size
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -18,7 +18,7 @@ from longdoc.export.census import check_graph, op_census
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import VerifyError, verify_model
-from tests.tiny_models import make_tiny_led, tiny_tokenizer, vocab_size
+from longdoc.testing.tiny_models import make_tiny_led, tiny_tokenizer, vocab_size
 
 transformers = pytest.importorskip("transformers")
 

@@ -3,7 +3,7 @@ and are not window multiples, global tokens at random positions and counts, only
 transformers' own defaults, padded batches), the op census, one graph for every length, and
 `longdoc verify` passing on the exported checkpoint and failing on another one.
 
-Checkpoints are made by transformers (tests/tiny_models.py `make_tiny_longformer`: window 16, so
+Checkpoints are made by transformers (longdoc/testing/tiny_models.py `make_tiny_longformer`: window 16, so
 blocks of w = 8 tokens under a band of 8)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import Manifest
 from longdoc.export.runtime import OnnxModel, default_global_mask
 from longdoc.export.verify import VerifyError, verify_model
-from tests.tiny_models import CLS, PAD, SEP, make_tiny_checkpoint, make_tiny_longformer, vocab_size
+from longdoc.testing.tiny_models import CLS, PAD, SEP, make_tiny_checkpoint, make_tiny_longformer, vocab_size
 
 LENGTHS = (1, 7, 8, 16, 37, 100, 512)  # one token, < w, = w, = window, not multiples, the maximum
 TOL = 1e-4

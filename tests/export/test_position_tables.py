@@ -12,7 +12,7 @@ from longdoc.export.exporter import export_model
 from longdoc.export.manifest import Manifest
 from longdoc.export.verify import verify_lengths, verify_model
 from longdoc.model.layout import HF_LEGACY_LENGTHS, AttentionSpec
-from tests.tiny_models import make_tiny_checkpoint
+from longdoc.testing.tiny_models import make_tiny_checkpoint
 
 POSITIONS = (512, 1024, 2048, 4096, 8192)
 

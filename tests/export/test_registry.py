@@ -13,7 +13,7 @@ import pytest
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.registry import LOWERINGS, build_bigbird, register_lowering
 from longdoc.model.registry import REGISTRY, Architecture
-from tests.tiny_models import make_tiny_checkpoint
+from longdoc.testing.tiny_models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # generic code: reads records, never names an architecture

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import Manifest
 from longdoc.model.tokenization import SAMPLE_TEXTS
-from tests.tiny_models import (SLOW_TOKENIZER_CLASSES, make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_led, make_tiny_longformer,
+from longdoc.testing.tiny_models import (SLOW_TOKENIZER_CLASSES, make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_led, make_tiny_longformer,
                                write_slow_tokenizer)
 
 

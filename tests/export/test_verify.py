@@ -10,7 +10,7 @@ import pytest
 
 from longdoc.export.exporter import export_model
 from longdoc.export.verify import Agreement, VerifyError, verify_model
-from tests.tiny_models import make_tiny_checkpoint
+from longdoc.testing.tiny_models import make_tiny_checkpoint
 
 
 def quiet(_msg):

@@ -11,7 +11,7 @@ import transformers
 from longdoc.export.exporter import export_model
 from longdoc.export.manifest import Manifest
 from longdoc.export.verify import Reference, verify_model
-from tests.tiny_models import (default_dropout, make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_led,
+from longdoc.testing.tiny_models import (default_dropout, make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_led,
                                make_tiny_longformer)
 
 LENGTHS = [40, 200]  # below and above the tiny BigBird's full-attention threshold (144)

@@ -11,7 +11,7 @@ import pytest
 from longdoc.export.exporter import export_model
 from longdoc.export.manifest import Manifest
 from longdoc.export.verify import VerifyError, verify_model
-from tests.tiny_models import make_tiny_led
+from longdoc.testing.tiny_models import make_tiny_led
 
 
 def quiet(_msg):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longdoc.export.windows import best_spans, classify_windows, pool_logits, qa_windows, summarize_window, window_spans
-from longdoc.service.workers import fake_tokenizer
+from longdoc.testing.fake_worker import fake_tokenizer
 
 
 def test_window_spans_examples():

@@ -81,10 +81,10 @@ def random_batch(batch: int, length: int, seed: int = 0, pad_tail: int = 0):
 def hf_checkpoints(directory, config_of, std: float, tweak=None):
     """factory(architecture, seed=0, **config overrides) -> (checkpoint directory, transformers model):
     transformers.<architecture>(config_of(**overrides)) seeded, its 1-d parameters nudged by `std`
-    (tests.tiny_models.nudge_vectors), `tweak(model)` applied under no_grad, saved under `directory`."""
+    (longdoc.testing.tiny_models.nudge_vectors), `tweak(model)` applied under no_grad, saved under `directory`."""
     import transformers
 
-    from tests.tiny_models import nudge_vectors
+    from longdoc.testing.tiny_models import nudge_vectors
 
     def make(architecture: str, seed: int = 0, **overrides):
         torch.manual_seed(seed)

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from longdoc.model.checkpoint import LoadError, load_pretrained, save_pretrained  # noqa: E402
 from longdoc.model.led import LEDConfig, LEDForConditionalGeneration  # noqa: E402
-from tests.tiny_models import nudge_vectors  # noqa: E402
+from longdoc.testing.tiny_models import nudge_vectors  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 60

@@ -464,7 +464,7 @@ def test_summarize_features_are_the_served_input():
     """Training feeds a summarizer the encoder input its export serves (the one summarize_window):
     `document eos` for Pegasus, `[CLS] document [SEP]` for BERT2BERT, cut to max_length."""
     from longdoc.model.tokenization import summarize_input_of
-    from tests.tiny_models import tiny_tokenizer
+    from longdoc.testing.tiny_models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     special = D.SpecialTokens(pad=0, cls=101, sep=102, eos=102, decoder_start=101)

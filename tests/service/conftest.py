@@ -20,15 +20,15 @@ import uvicorn
 from longdoc.service.app import create_app
 from longdoc.service.connections import limited_protocol
 from longdoc.service.settings import Settings
-from longdoc.service.workers import FakeWorker
+from longdoc.testing.fake_worker import FakeWorker
 
 
 @pytest.fixture(scope="session")
 def tiny_summarize_options_dir(tmp_path_factory):
     """A tiny summarizer whose checkpoint sets every generation option the search handles
-    (tests/tiny_models.py TINY_GENERATION: min_length, forced_eos_token_id, no_repeat_ngram_size,
+    (longdoc/testing/tiny_models.py TINY_GENERATION: min_length, forced_eos_token_id, no_repeat_ngram_size,
     length_penalty) in its generation_config.json; exported, fp32."""
-    from tests.tiny_models import TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
+    from longdoc.testing.tiny_models import TINY_GENERATION, make_tiny_checkpoint, make_tiny_export
 
     root = tmp_path_factory.mktemp("tiny-summarize-options")
     checkpoint = make_tiny_checkpoint(root / "checkpoint", "summarize", generation=TINY_GENERATION)

@@ -4,10 +4,11 @@ counts "good" and "bad"; the fake summarizer copies the document's first tokens.
 
 import asyncio
 import json
-import time
+import threading
 
 import pytest
 
+from tests.polling import until, until_async
 from tests.service.conftest import fake_factory, running_app
 
 
@@ -97,14 +98,19 @@ def test_summarize_streams_server_sent_events():
 
 
 def test_iteration_level_batching_joins_running_batch():
-    factory = fake_factory(summarize={"delay_s": 0.02, "summary_tokens": 20})
+    gate = threading.Event()
+    factory = fake_factory(summarize={"gate": gate, "summary_tokens": 20})
 
     async def go():
-        async with running_app(factory) as c:
+        async with running_app(factory, warmup=False) as c:
+            worker = [w for w in factory.made if w.info.task == "summarize"][0]
+            scheduler = c.app.state.service.models["sum"].engine
             first = asyncio.create_task(c.post("/v1/summarize", json={"document": filler(30)}))
-            await asyncio.sleep(0.1)  # the first is decoding now
-            second = await c.post("/v1/summarize", json={"document": filler(30, 50), "max_new_tokens": 3})
-            return await first, second
+            await until_async(worker.entered.is_set, "the first request is decoding (held at its first step)")
+            second = asyncio.create_task(c.post("/v1/summarize", json={"document": filler(30, 50), "max_new_tokens": 3}))
+            await until_async(lambda: scheduler.pending, "the second request is queued behind the running batch")
+            gate.set()
+            return await first, await second
 
     first, second = run(go())
     assert first.status_code == second.status_code == 200
@@ -210,7 +216,10 @@ def test_deadline_gives_504_and_skips_queued_windows():
         async with running_app(factory, max_batch_size=1) as c:
             r = await c.post("/v1/qa", json={"question": "q", "document": filler(400)},
                              headers={"x-request-timeout": "0.25"})
-            await asyncio.sleep(0.3)
+            # the queue empties once the batcher has dropped the expired windows (had it run them
+            # instead, all 14 would have been taken by then)
+            queue = c.app.state.service.models["qa"].engine.policy
+            await until_async(lambda: len(queue) == 0, "the expired request's windows left the queue")
             return r
 
     r = run(go())
@@ -356,8 +365,15 @@ def test_disconnect_drops_queued_windows():
     with ThreadServer(settings, worker_factory=factory) as s:
         with pytest.raises(httpx.ReadTimeout):  # 400 tokens = 14 windows = 0.7 s of work
             httpx.post(s.url + "/v1/qa", json={"question": "q", "document": filler(400)}, timeout=0.2)
-        time.sleep(0.4)
-        metrics = httpx.get(s.url + "/metrics").text
+
+        def settled():  # the hang-up counted, and the queue empty: the windows left were dropped
+            text = httpx.get(s.url + "/metrics").text  # (run instead, all 14 would have been taken by then)
+            lines = text.splitlines()
+            if 'longdoc_queue_depth_requests{model="qa"} 0.0' in lines and any(
+                    line.startswith('longdoc_request_failures_total{endpoint="qa",reason="cancelled"}') for line in lines):
+                return text
+
+        metrics = until(settled, "the hang-up counted and the queue empty")
     assert 'longdoc_request_failures_total{endpoint="qa",reason="cancelled"} 1.0' in metrics
     assert len(factory.made[0].batches) <= 6
 
@@ -383,16 +399,21 @@ def test_metrics_multiprocess_mode(tmp_path):
 
 
 def test_beam_search_waits_its_turn_and_is_not_starved():
-    factory = fake_factory(summarize={"delay_s": 0.01, "summary_tokens": 10})
+    gate = threading.Event()
+    factory = fake_factory(summarize={"gate": gate, "summary_tokens": 10})
 
     async def go():
-        async with running_app(factory) as c:
+        async with running_app(factory, warmup=False) as c:
+            worker = [w for w in factory.made if w.info.task == "summarize"][0]
+            scheduler = c.app.state.service.models["sum"].engine
             post = lambda **kw: c.post("/v1/summarize", json={"document": filler(20), **kw})  # noqa: E731
             first = asyncio.create_task(post())
-            await asyncio.sleep(0.03)
+            await until_async(worker.entered.is_set, "the first request is decoding (held at its first step)")
             beam = asyncio.create_task(post(num_beams=4, max_new_tokens=5))
-            await asyncio.sleep(0.01)
+            await until_async(lambda: len(scheduler.pending) == 1, "the beam request is queued")
             later = asyncio.create_task(post(max_new_tokens=3))
+            await until_async(lambda: len(scheduler.pending) == 2, "the later request is queued behind it")
+            gate.set()
             return await first, await beam, await later
 
     first, beam, later = run(go())

@@ -27,7 +27,7 @@ from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
 from longdoc.service.workers import CudaWorker, OnnxWorker
 from tests.fake_cuda import claim_cuda, on_cpu
-from tests.tiny_models import TINY_GENERATION, TINY_WORDS
+from longdoc.testing.tiny_models import TINY_GENERATION, TINY_WORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "summarize"

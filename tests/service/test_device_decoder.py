@@ -20,9 +20,10 @@ from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.metrics import Metrics
 from longdoc.service.regroup import Regroup, concat_graph, take_graph
-from longdoc.service.workers import FakeWorker, OnnxWorker
+from longdoc.service.workers import OnnxWorker
+from longdoc.testing.fake_worker import FakeWorker
 from tests.service.test_decode_parity import document_ids, reference, scheduled, text_of
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
+from longdoc.testing.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
 
 FAMILIES = ("pegasus", "led", "bert2bert")
 

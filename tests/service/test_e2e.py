@@ -18,6 +18,7 @@ from longdoc.service.settings import Settings
 from longdoc.export.evaluate import qa_spans
 from longdoc.export.windows import pool_logits
 from longdoc.service.workers import OnnxWorker
+from tests.polling import until
 from tests.service.conftest import ServeProcess, ThreadServer
 
 WORDS = ("the river is near the old tree and the gold lies under water where people often walk to "
@@ -196,11 +197,12 @@ def test_disconnect_stops_decoding(server):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one token, then hang up
-    deadline = time.monotonic() + 10
-    while metric(server.url, key) == before_cancelled and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: metric(server.url, key) != before_cancelled, "the hang-up counted", timeout_s=10)
     assert metric(server.url, key) == before_cancelled + 1
-    time.sleep(0.2)
+    # the decoder has nothing left to run: the hung-up sequence left its batch (had it not been
+    # stopped, it would have left only after its 500 tokens)
+    scheduler = server.app.state.service.models["sum"].engine
+    until(lambda: not (scheduler.running or scheduler.pending), "the decoder batch is empty", timeout_s=60)
     generated = metric(server.url, 'longdoc_generated_tokens_total{model="sum"}') - before_tokens
     assert generated < 500  # stopped early, not decoded to the end
 
@@ -243,9 +245,15 @@ def test_sigterm_drains_in_flight_work_then_exits(tiny_summarize_dir, tmp_path):
             assert time.monotonic() < deadline, "the request did not get in flight"
             time.sleep(0.02)
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        with pytest.raises(httpx.TransportError):  # no longer accepting
-            httpx.get(s.url + "/livez", timeout=2)
+
+        def refused() -> bool:
+            try:
+                httpx.get(s.url + "/livez", timeout=2)
+            except httpx.TransportError:
+                return True
+            return False
+
+        until(refused, "SIGTERM closed the listener (no longer accepting)", timeout_s=10)
         t.join(60)
         assert box["r"].status_code == 200, box["r"].text
         assert all(x["generated_tokens"] > 0 for x in box["r"].json()["results"])

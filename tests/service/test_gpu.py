@@ -13,7 +13,7 @@ import pytest
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import TOLERANCE, _scaled, verify_model
 from longdoc.service.workers import CudaWorker, EncoderBatch, OnnxWorker
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export
+from longdoc.testing.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export
 
 pytestmark = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
                                 reason="needs onnxruntime-gpu and a GPU")

@@ -2,6 +2,7 @@
 head-to-head compare different things (windows, span choice, answer comparison), not timings."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
+    """bench/NAME.py as a module. A bench script imports its siblings (load, real_size) from its own
+    folder, which is on sys.path when it runs as a script: here only while it loads."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
     return module
 
 
@@ -74,7 +81,7 @@ def test_one_window_answers_agree_with_the_service(tmp_path):
 
     from longdoc.export.evaluate import qa_spans
     from longdoc.export.runtime import OnnxModel
-    from tests.tiny_models import TINY_WORDS, make_tiny_checkpoint, make_tiny_export
+    from longdoc.testing.tiny_models import TINY_WORDS, make_tiny_checkpoint, make_tiny_export
 
     checkpoint = make_tiny_checkpoint(tmp_path / "ckpt", "qa", source="transformers")
     model = OnnxModel(make_tiny_export(tmp_path / "fp32", "qa", checkpoint_dir=checkpoint, plan="hf-eval"), threads=1)

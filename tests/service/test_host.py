@@ -20,7 +20,7 @@ import pytest
 from longdoc.service import host as H
 from longdoc.service.errors import DeadlineExceeded, TooLarge, Unavailable
 from longdoc.service.settings import Settings
-from longdoc.service.workers import FakeWorker
+from longdoc.testing.fake_worker import FakeWorker
 from tests.service.conftest import running_app, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]

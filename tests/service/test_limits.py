@@ -216,7 +216,7 @@ def test_the_deadline_counts_from_the_requests_arrival():
     import threading
     import time
 
-    from longdoc.service.workers import FakeWorker
+    from longdoc.testing.fake_worker import FakeWorker
     from tests.service.conftest import running_app
 
     gate = threading.Event()

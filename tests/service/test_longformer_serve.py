@@ -21,7 +21,7 @@ from longdoc.export.evaluate import qa_spans, read_qa_windows
 from longdoc.export.windows import pool_logits
 from tests.service.conftest import ServeProcess
 from tests.service.test_e2e import text_of
-from tests.tiny_models import CLASSIFY_LABELS, make_tiny_longformer
+from longdoc.testing.tiny_models import CLASSIFY_LABELS, make_tiny_longformer
 
 
 def longdoc(*args: str) -> subprocess.CompletedProcess:

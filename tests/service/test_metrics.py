@@ -17,7 +17,8 @@ from longdoc.service.batcher import EncoderBatcher, RequestState, WorkerSlot
 from longdoc.service.batching import BatchingPolicy
 from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
-from longdoc.service.workers import FakeWorker
+from longdoc.testing.fake_worker import FakeWorker
+from tests.polling import until_async
 from tests.service.conftest import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,8 +77,7 @@ def test_ready_gauge_follows_readyz_through_warmup_failure_and_drain():
 
             lifespan = app.router.lifespan_context(app)
             starting = asyncio.create_task(lifespan.__aenter__())
-            while not warming.is_set():
-                await asyncio.sleep(0.005)
+            await until_async(warming.is_set, "the worker is warming up", timeout_s=10)
             await look("warming up")
             gate.set()
             await starting

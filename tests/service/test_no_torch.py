@@ -26,3 +26,25 @@ def test_serving_path_imports_no_torch(tiny_qa_dir):
     out = subprocess.run([sys.executable, "-c", CODE, str(tiny_qa_dir)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout
+
+
+FAKE_CODE = """
+import sys
+import numpy as np
+import longdoc.testing, longdoc.testing.fake_worker, longdoc.testing.tiny_models
+from longdoc.service.workers import EncoderBatch
+from longdoc.testing.fake_worker import FakeWorker
+w = FakeWorker(task="qa")
+ids = w.tokenizer.encode("where is the gold").ids
+out = w.run(EncoderBatch(np.array([ids]), np.ones((1, len(ids)), np.int64), None))
+assert out["start_logits"].max() == 10.0, out
+print("HEAVY", sorted(m for m in ("torch", "transformers", "onnx") if m in sys.modules))
+"""
+
+
+def test_longdoc_testing_imports_no_torch():
+    """bench/slow_clients.py and bench/livez_stall.py serve FakeWorker on a serve-only install: the
+    fake worker, and the tiny-model builders until one is called, import no torch (issue 26)."""
+    out = subprocess.run([sys.executable, "-c", FAKE_CODE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout

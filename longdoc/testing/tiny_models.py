@@ -1,5 +1,5 @@
 """Tiny BigBird (and Longformer: `make_tiny_longformer`, LED: `make_tiny_led`) checkpoints and
-exported model directories for tests (seconds to build).
+exported model directories for tests, benchmarks and the docs' examples (seconds to build).
 
     make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
                                             model.safetensors, tokenizer.json

@@ -14,10 +14,11 @@ import onnx
 
 MIN_OPSET = 17  # export/graph.py writes opset 20 (Gelu)
 # element-wise arithmetic, shape plumbing, the attention kernels, normalisation, TopK and CumSum
-# (Longformer's per-request global tokens: their positions and each position's slot), and the
+# (Longformer's per-request global tokens: their positions and each position's slot), Sin and Cos
+# (ModernBERT's rotary angles, computed from the positions in the graph), and the
 # ops ONNX Runtime's dynamic int8 quantization inserts (all in the default domain)
 ALLOWED_OPS = frozenset("""
-Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Equal Less LessOrEqual Greater
+Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Sin Cos Equal Less LessOrEqual Greater
 GreaterOrEqual And Or Not Where Cast Identity
 Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
 MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax ReduceMin LayerNormalization TopK CumSum

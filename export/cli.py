@@ -82,6 +82,12 @@ def _windows(m) -> str:
     return str(windows[0]) if len(set(windows)) == 1 else str(windows)
 
 
+def _layer_kinds(m) -> str:
+    """Each layer's attention in a word: "band N" (a window of N tokens each side) or its pattern."""
+    return ", ".join(f"band {spec['band']}" if spec.get("band") else spec.get("pattern", "?")
+                     for spec in m.layer_attention_specs())
+
+
 def _device(text: str) -> str:
     """`--device cuda:1` checked by the runtime's own parser (an argparse type)."""
     from longdoc.export.runtime import parse_device
@@ -124,6 +130,8 @@ def _export(args: argparse.Namespace) -> int:
              if m.global_tokens != "none" else
              f"  lengths {m.min_length}..{m.max_length}; attention full over every token (benchmark baseline, "
              f"not the checkpoint's window)" if args.attention == "full" else
+             f"  lengths {m.min_length}..{m.max_length}; attention per layer {_layer_kinds(m)} (padded to a "
+             f"multiple of {m.block_size})" if m.layer_attention is not None else
              f"  lengths {m.min_length}..{m.max_length} (block {m.block_size}; full attention up to "
              f"{m.full_attention_max_length}); attention {m.attention.get('pattern')} plan {m.attention.get('plan')}"))
     return 0

@@ -1,4 +1,4 @@
-"""BigBird, Longformer, BigBird-Pegasus and LED written out as ONNX graphs from a Hugging Face state dict.
+"""BigBird, Longformer, BigBird-Pegasus, LED and ModernBERT written out as ONNX graphs from a Hugging Face state dict.
 
 Weight names are transformers' (what `longdoc.model.save_pretrained` writes and the public checkpoints
 use). The graphs follow transformers' forward passes in eval mode (dropout off):
@@ -20,11 +20,16 @@ use). The graphs follow transformers' forward passes in eval mode (dropout off):
 - LED (transformers' LEDForConditionalGeneration): Longformer's attention (window + the request's
   global tokens) in BART's post-LN encoder layers with the cross-attention keys/values, and the
   Pegasus decoder step in its post-LN form (`_bart_decoder_step`, pre_norm False).
+- ModernBERT (transformers' ModernBertFor*): pre-LN layers with rotary q/k (positions and angles
+  computed in the graph, one base per layer type), GeGLU MLP, bias-free norms; "sliding_attention"
+  layers run Longformer's band (the window table, no global tokens), "full_attention" layers the
+  dense lowering. Heads: QA, sequence classification (cls or mean pooling), masked LM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 from onnx import TensorProto
@@ -33,7 +38,7 @@ from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
                                              declare_layout_inputs, dense_attention, for_layer, gather_tokens,
                                              longformer_context, merge_heads, split_heads)
-from longdoc.model.layout import longformer_block_size, longformer_layer_specs
+from longdoc.model.layout import longformer_block_size, longformer_layer_specs, modernbert_layer_specs
 from longdoc.model.registry import led_window_config
 
 class Weights:
@@ -554,3 +559,134 @@ def build_b2b_decoder(w: Weights, config: dict, dtype: str):
         weight, bias = w[hp + "decoder.weight"], w[hp + "decoder.bias"]
     g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
     return g.model("BigBird-RoBERTa (BERT2BERT) decoder step with KV cache")
+
+
+# --- ModernBERT (longdoc.model.modernbert) ----------------------------------------------------
+
+def rotary_inv_freq(theta: float, dim: int) -> np.ndarray:
+    """transformers' default rotary frequencies theta^(-2i/dim), i < dim/2, in its float32
+    arithmetic: torch's pow (NumPy's float32 power differs from it in the last bit for some i, which
+    moves the angle at position 8000 by ~5e-4 rad). (dim/2,) float32."""
+    import torch  # the export has torch (longdoc[torch]); the graph then computes every angle itself
+
+    return (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).numpy()
+
+
+def _rotary_tables(g: GraphBuilder, ids: str, inv_freq: np.ndarray) -> tuple[str, str]:
+    """cos, sin (S, 1, D) of positions 0..S-1 computed in the graph (one graph for every length):
+    angle = position * inv_freq in fp32, each angle twice (rotate-half layout), then the graph dtype."""
+    pos = g.op("Cast", [_positions(g, ids)], to=TensorProto.FLOAT)  # (S,)
+    freqs = g.op("Mul", [g.op("Unsqueeze", [pos, g.const([1])]), g.const(inv_freq[None, :], np.float32)])  # (S, D/2)
+    angles = g.op("Unsqueeze", [g.op("Concat", [freqs, freqs], axis=1), g.const([1])])  # (S, 1, D)
+    cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
+    return (cos, sin) if g.dtype == "fp32" else (g.to_float(cos), g.to_float(sin))
+
+
+def _apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, H: int, D: int) -> str:
+    """x * cos + rotate_half(x) * sin per head; x (B, S, H*D) -> (B, S, H*D)."""
+    heads = g.op("Reshape", [x, g.const([0, 0, H, D])])  # (B, S, H, D)
+    x1, x2 = g.op("Split", [heads, g.const([D // 2, D // 2])], axis=3, n_out=2)
+    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=3)
+    y = g.op("Add", [g.op("Mul", [heads, cos]), g.op("Mul", [rotated, sin])])
+    return g.op("Reshape", [y, g.const([0, 0, H * D])])
+
+
+def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str):
+    """input_ids, attention_mask (B, S) int64 (S a multiple of local_attention / 2) + the band table
+    (layout_key_blocks, layout_valid; when a layer slides) -> start_logits/end_logits (B, S) |
+    logits (B, num_labels) | logits (B, S, V).
+
+    transformers' ModernBertFor* in eval mode: token embeddings -> norm; per layer (pre-LN, layer 0
+    without attn_norm) rotary q/k (the layer type's base), attention, Wo, residual; GeGLU MLP,
+    residual; final norm; head (dense -> activation -> norm) and the task's projection. A
+    "sliding_attention" layer is Longformer's band without global tokens (`for_layer` over its
+    `longformer` spec: 3 blocks of local_attention / 2 tokens under a band of as many), linear in
+    the length; a "full_attention" layer attends densely to every real key (BigBird's dense
+    lowering, in head groups). Norms without bias get zero biases (LayerNormalization's)."""
+    specs = modernbert_layer_specs(config)
+    g = GraphBuilder(f"modernbert_{task}_encoder", dtype)
+    E, H = config["hidden_size"], config["num_attention_heads"]
+    D, bs = E // H, specs[0].block_size
+    eps = config.get("norm_eps", 1e-5)
+    act, head_act = config.get("hidden_activation", "gelu"), config.get("classifier_activation", "gelu")
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = g.input("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    sliding = any(spec.band for spec in specs)
+    if sliding:
+        declare_layout_inputs(g, layout_global_rows=False)
+
+    def norm(x: str, name: str, scope_name: str) -> str:
+        weight = w[name + ".weight"]
+        bias = w.get(name + ".bias")
+        return g.layer_norm(x, weight, np.zeros_like(weight) if bias is None else bias, eps, scope_name)
+
+    def linear(x: str, name: str, scope_name: str, rows: slice = slice(None)) -> str:
+        bias = w.get(name + ".bias")
+        return g.linear(x, w[name + ".weight"][rows], None if bias is None else bias[rows], scope_name)
+
+    p = "model."
+    x = norm(_embedding(g, w[p + "embeddings.tok_embeddings.weight"], ids, "tok_embeddings"), p + "embeddings.norm",
+             "emb_norm")
+    ctx = replace(attention_context(g, mask, bs, H, D, sparse=True), layout_global_rows=False)
+    dense_ctx = replace(ctx, sparse=False)
+    theta = {kind: _rope_theta(config, kind) for kind in ("full_attention", "sliding_attention")}
+    rope = {}
+    for i, spec in enumerate(specs):
+        g.scope = f"layer{i}/"
+        lp = f"{p}layers.{i}."
+        kind = "sliding_attention" if spec.band else "full_attention"
+        if kind not in rope:
+            rope[kind] = _rotary_tables(g, ids, rotary_inv_freq(theta[kind], D))
+        h = norm(x, lp + "attn_norm", "attn_norm") if f"{lp}attn_norm.weight" in w else x
+        q, k, v = (linear(h, lp + "attn.Wqkv", n, slice(j * E, (j + 1) * E))
+                   for j, n in enumerate(("query", "key", "value")))
+        q, k = (_apply_rotary(g, t, *rope[kind], H, D) for t in (q, k))
+        a = block_sparse_attention(g, q, k, v, i, for_layer(ctx, spec) if spec.band else dense_ctx)  # (B, S, E)
+        x = g.op("Add", [x, linear(a, lp + "attn.Wo", "attn_out")])
+        h = norm(x, lp + "mlp_norm", "mlp_norm")
+        inner = w[lp + "mlp.Wi.weight"].shape[0] // 2
+        gelu_in = g.activation(linear(h, lp + "mlp.Wi", "mlp_in", slice(0, inner)), act)
+        gate = linear(h, lp + "mlp.Wi", "mlp_gate", slice(inner, 2 * inner))
+        x = g.op("Add", [x, linear(g.op("Mul", [gelu_in, gate]), lp + "mlp.Wo", "mlp_out")])
+    g.scope = "head/"
+    x = norm(x, p + "final_norm", "final_norm")
+
+    def head(t: str) -> str:
+        return norm(g.activation(linear(t, "head.dense", "dense"), head_act), "head.norm", "norm")
+
+    if task == "qa":
+        logits = g.to_fp32(linear(head(x), "classifier", "classifier"))  # (B, S, 2)
+        start, end = g.op("Split", [logits, g.const([1, 1])], axis=2, n_out=2)
+        g.output(g.op("Squeeze", [start, g.const([2])]), "start_logits", TensorProto.FLOAT, ["batch", "sequence"])
+        g.output(g.op("Squeeze", [end, g.const([2])]), "end_logits", TensorProto.FLOAT, ["batch", "sequence"])
+    elif task == "classify":
+        if config.get("classifier_pooling", "cls") == "mean":  # over the real tokens, summed in fp32
+            real = g.op("Unsqueeze", [g.op("Cast", [mask], to=TensorProto.FLOAT), g.const([2])])  # (B, S, 1)
+            total = g.op("ReduceSum", [g.op("Mul", [g.to_fp32(x), real]), g.const([1])], keepdims=0)  # (B, E)
+            pooled = g.op("Div", [total, g.op("ReduceSum", [real, g.const([1])], keepdims=0)])  # / (B, 1)
+            pooled = pooled if g.dtype == "fp32" else g.to_float(pooled)
+        else:
+            pooled = g.op("Gather", [x, g.const(0)], axis=1)  # (B, E)
+        logits = linear(head(pooled), "classifier", "classifier")
+        g.output(g.to_fp32(logits), "logits", TensorProto.FLOAT, ["batch", "labels"])
+    elif task == "mlm":
+        decoder = w.first("decoder.weight", p + "embeddings.tok_embeddings.weight")
+        g.output(g.to_fp32(g.linear(head(x), decoder, w.get("decoder.bias"), "decoder")), "logits", TensorProto.FLOAT,
+                 ["batch", "sequence", "vocab"])
+    else:
+        raise ValueError(f"task {task!r}: a ModernBERT exports as qa, classify or mlm")
+    kinds = ["band" if spec.band else "dense" for spec in specs]
+    return g.model(f"ModernBERT {task} encoder, layers {kinds}, band {bs} tokens each side")
+
+
+def _rope_theta(config: dict, kind: str) -> float:
+    """The rotary base of a layer type, in either config spelling (`longdoc.model.modernbert.ModernBertConfig`):
+    `rope_parameters[kind]["rope_theta"]`, else `global_rope_theta` / `local_rope_theta`, else
+    transformers' defaults (160000 full, 10000 sliding). Rope types other than "default" are refused."""
+    params = (config.get("rope_parameters") or {}).get(kind) or {}
+    if params.get("rope_type", "default") != "default" or config.get("rope_scaling") is not None:
+        raise ValueError(f"ModernBERT {kind}: only the default rotary embedding exports (rope_parameters "
+                         f"{params!r}, rope_scaling {config.get('rope_scaling')!r})")
+    legacy = config.get("global_rope_theta" if kind == "full_attention" else "local_rope_theta")
+    theta = params.get("rope_theta", legacy)
+    return float({"full_attention": 160_000.0, "sliding_attention": 10_000.0}[kind] if theta is None else theta)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from longdoc.export.lowering import (Weights, build_b2b_decoder, build_b2b_encoder, build_bigbird_encoder,
                                      build_led_decoder, build_led_encoder, build_longformer_encoder,
-                                     build_pegasus_decoder, build_pegasus_encoder)
+                                     build_modernbert_encoder, build_pegasus_decoder, build_pegasus_encoder)
+from longdoc.model.layout import modernbert_layer_specs
 from longdoc.model.registry import REGISTRY, Architecture
 
 
@@ -107,6 +108,13 @@ def build_led(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     return Graphs(graphs, _bart_decoder(config, "max_decoder_position_embeddings"))
 
 
+def build_modernbert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
+    kinds = ["band" if spec.band else "dense" for spec in modernbert_layer_specs(config)]
+    r.progress(f"building ModernBERT encoder graph ({len(kinds)} layers: {kinds.count('band')} band, "
+               f"{kinds.count('dense')} dense; {r.dtype})")
+    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype)})
+
+
 def build_b2b(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     enc, dec = config["encoder"], config["decoder"]
     r.progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {r.dtype})")
@@ -127,5 +135,5 @@ register_lowering("longformer", build_longformer, unused=("longformer.embeddings
 register_lowering("bigbird_pegasus", build_pegasus)
 register_lowering("led", build_led, no_int8_attention=_WINDOW_FP32)
 register_lowering("encoder-decoder", build_b2b, unused=("encoder.pooler.weight", "encoder.pooler.bias"))
-register_lowering("modernbert", build_refused,
-                  not_implemented="export of ModernBERT is not implemented yet: per-layer layouts, issue 28")
+register_lowering("modernbert", build_modernbert,
+                  no_int8_attention="ModernBERT's band and dense layers run their attention in fp32")

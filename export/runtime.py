@@ -143,7 +143,8 @@ class OnnxModel:
                 feed = dense_layout_feed(m.num_layers, m.num_heads, nb)
             else:
                 feed = layout_feed([build_layout(spec, nb, m.num_heads, layer)
-                                    for layer, spec in enumerate(self.layer_specs)], nb)
+                                    for layer, spec in enumerate(self.layer_specs)], nb,
+                                   global_rows=LAYOUT_INPUTS[2] in self.encoder_inputs)
             self._layouts[key] = feed
             if len(self._layouts) > self._layout_cache_size:
                 self._layouts.popitem(last=False)

@@ -123,7 +123,8 @@ def verify_lengths(manifest) -> list[int]:
                   m.max_length - bs // 2 - 1, m.max_length]
     if m.attention.get("pattern") == "bigbird":
         candidates += [x for n in HF_LEGACY_LENGTHS for x in (n, n - bs // 2 - 1)]
-    if m.global_tokens != "none":  # Longformer: one block, a window (2 blocks) and around it, many windows
+    if m.global_tokens != "none" or any(a.get("band") for a in m.layer_attention_specs()):
+        # a band (Longformer, ModernBERT's sliding layers): one block, a window (2 blocks) and around it, many windows
         candidates += [bs - 1, 2 * bs, 2 * bs + 3, 5 * bs + bs // 2 + 1]
     return sorted({x for x in candidates if m.min_length <= x <= m.max_length})
 

@@ -198,6 +198,43 @@ def longformer_layer_specs(config: dict) -> tuple[AttentionSpec, ...]:
                  for spec in longformer_attention_specs(config))
 
 
+MODERNBERT_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def modernbert_layer_types(config: dict) -> list[str]:
+    """Each layer's attention type in a Hugging Face ModernBERT ``config.json`` mapping: its
+    ``layer_types``, else transformers' rule (layer i is "full_attention" when i %
+    ``global_attn_every_n_layers`` (default 3) == 0, else "sliding_attention"). The same rule as
+    ``longdoc.model.modernbert.ModernBertConfig`` (a test holds the two equal)."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        every = config.get("global_attn_every_n_layers")
+        every = 3 if every is None else int(every)
+        if every < 1:
+            raise ValueError(f"global_attn_every_n_layers must be >= 1, got {every}")
+        types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    types = list(types)
+    if len(types) != layers or set(types) - set(MODERNBERT_LAYER_TYPES):
+        raise ValueError(f"layer_types must be {layers} of {MODERNBERT_LAYER_TYPES}, got {types!r}")
+    return types
+
+
+def modernbert_layer_specs(config: dict) -> tuple[AttentionSpec, ...]:
+    """One spec per layer for a ModernBERT ``config.json`` mapping, over one block size b =
+    local_attention // 2 (transformers' sliding window: query i sees key j when |i - j| <= b):
+    a "sliding_attention" layer is a band of b tokens over 3 blocks of b (Longformer's window,
+    `longformer_attention_specs`, without global tokens); a "full_attention" layer is ``dense``
+    (computed densely by the graph, which reads no table row for it)."""
+    b = int(config.get("local_attention", 128)) // 2
+    if b < 1:
+        raise ValueError(f"local_attention {config.get('local_attention')} leaves no sliding window "
+                         "(need local_attention >= 2)")
+    band = AttentionSpec(pattern="longformer", block_size=b, window_blocks=3, global_blocks=(), band=b)
+    dense = AttentionSpec(pattern="dense", block_size=b)
+    return tuple(band if t == "sliding_attention" else dense for t in modernbert_layer_types(config))
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     key_blocks: np.ndarray  # (H, nb, K) int64

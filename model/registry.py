@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longdoc.model.layout import (AttentionSpec, checkpoint_attention_spec, longformer_attention_specs, longformer_block_size,
-                                 longformer_layer_specs)
+                                 longformer_layer_specs, modernbert_layer_specs)
 from longdoc.model.tokenization import SUMMARIZE_INPUTS
 
 # every task a model can be trained, exported and served for (a record lists its own)
@@ -70,6 +70,12 @@ def padded_window_lengths(config: dict, enc: dict, block_size: int, attention: s
     return 1, int(enc["max_position_embeddings"]) // window * window, 0
 
 
+def rotary_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
+    """ModernBERT: rotary positions, no table to run past; the lengths of max_position_embeddings
+    (rounded down to a whole block: the band's padding); no switch to full attention."""
+    return 1, int(enc["max_position_embeddings"]) // block_size * block_size, 0
+
+
 def bert_dropout(config: dict, p: float) -> dict:
     return {**config, "hidden_dropout_prob": p, "attention_probs_dropout_prob": p,
             **({"classifier_dropout": p} if config.get("classifier_dropout") is not None else {})}
@@ -100,6 +106,9 @@ class Architecture:
     # num_hidden_layers, max_position_embeddings) plus its attention keys
     encoder_config: Callable[[dict], dict] = _itself
     windowed: bool = False  # Longformer attention (a window per layer, global tokens per request), else block-sparse
+    # per-layer attention read from the encoder config, over one block size (the first spec's),
+    # when the layers differ in kind (ModernBERT: band and dense layers); None: `windowed` decides
+    layer_specs: Callable[[dict], tuple[AttentionSpec, ...]] | None = None
     # (config, encoder config, block size, attention) -> (min_length, max_length, full_attention_max_length)
     length_bounds: Callable[[dict, dict, int, str], tuple[int, int, int]] = block_sparse_lengths
     global_tokens: Mapping[str, str] = field(default_factory=dict)  # task -> the manifest's (default "none")
@@ -118,12 +127,16 @@ class Architecture:
         """Tokens per layout block: BigBird's `block_size`, Longformer's w = attention_window / 2
         (per-layer windows: the greatest common divisor of the layers' w, `longformer_block_size`)."""
         enc = self.encoder_config(config)
+        if self.layer_specs is not None:
+            return self.layer_specs(enc)[0].block_size
         return longformer_block_size(enc) if self.windowed else int(enc.get("block_size", 64))
 
     def layer_attention_specs(self, config: dict, plan: str) -> tuple[AttentionSpec, ...]:
         """Each encoder layer's attention over the export's one block size (`block_size`): the
         tables the runtime builds per length and the graph's band read these."""
         enc = self.encoder_config(config)
+        if self.layer_specs is not None:
+            return self.layer_specs(enc)
         if self.windowed:
             return longformer_layer_specs(enc)
         return (checkpoint_attention_spec(enc, plan),) * int(enc["num_hidden_layers"])
@@ -261,8 +274,8 @@ register(Architecture(
     train_tasks=("summarize",), dropout=encoder_decoder_dropout,
 ))
 
-# ModernBERT: alternating sliding-window (band) and full attention layers. Not exported yet
-# (per-layer layouts, issue 28): its lowering refuses (longdoc.export.registry); no training.
+# ModernBERT: alternating sliding-window (band) and full attention layers, one spec per layer
+# (`modernbert_layer_specs`: a band of local_attention / 2 tokens, or dense); no training.
 register(Architecture(
     model_type="modernbert", module="longdoc.model.modernbert", config_class="ModernBertConfig",
     classes={"ModernBertModel": "ModernBertModel", "ModernBertForMaskedLM": "ModernBertForMaskedLM",
@@ -273,4 +286,5 @@ register(Architecture(
     tasks={"qa": "ModernBertForQuestionAnswering", "classify": "ModernBertForSequenceClassification",
            "mlm": "ModernBertForMaskedLM"},
     other_architectures={"ModernBertModel": None},
+    layer_specs=modernbert_layer_specs, length_bounds=rotary_lengths,
 ))

@@ -1,5 +1,6 @@
-"""Tiny BigBird (and Longformer: `make_tiny_longformer`, LED: `make_tiny_led`) checkpoints and
-exported model directories for tests, benchmarks and the docs' examples (seconds to build).
+"""Tiny BigBird (and Longformer: `make_tiny_longformer`, LED: `make_tiny_led`, ModernBERT:
+`make_tiny_modernbert`) checkpoints and exported model directories for tests, benchmarks and the
+docs' examples (seconds to build).
 
     make_tiny_checkpoint(directory, task)   HF-format checkpoint dir: config.json,
                                             model.safetensors, tokenizer.json
@@ -217,6 +218,33 @@ def make_tiny_longformer(directory, task: str, seed: int = 0, **overrides) -> Pa
                       label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
     torch.manual_seed(seed)
     module = cls(transformers.LongformerConfig(**dict(kwargs, **overrides))).eval()
+    nudge_vectors(module, 0.05)
+    directory = Path(directory)
+    module.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def make_tiny_modernbert(directory, task: str, seed: int = 0, **overrides) -> Path:
+    """A random-init ModernBERT checkpoint saved by transformers (ModernBertForQuestionAnswering,
+    ModernBertForSequenceClassification or ModernBertForMaskedLM) with the tiny tokenizer: hidden 64,
+    4 heads, 4 layers (full, sliding, full, sliding: global every 2), local_attention 16 (a band of
+    8 tokens each side, blocks of 8), rotary bases 2000 (full) and 50 (sliding), 512 positions.
+    initializer_range 0.1 and nudged norms make a wrong band, base or norm show."""
+    import torch
+    import transformers
+
+    kwargs = dict(vocab_size=vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, local_attention=16, global_attn_every_n_layers=2, global_rope_theta=2000.0,
+                  local_rope_theta=50.0, max_position_embeddings=512, initializer_range=0.1, pad_token_id=PAD,
+                  bos_token_id=CLS, cls_token_id=CLS, eos_token_id=SEP, sep_token_id=SEP, attn_implementation="eager")
+    cls = {"qa": transformers.ModernBertForQuestionAnswering, "mlm": transformers.ModernBertForMaskedLM,
+           "classify": transformers.ModernBertForSequenceClassification}[task]
+    if task == "classify":
+        kwargs.update(num_labels=3, id2label=dict(enumerate(CLASSIFY_LABELS)),
+                      label2id={v: k for k, v in enumerate(CLASSIFY_LABELS)})
+    torch.manual_seed(seed)
+    module = cls(transformers.ModernBertConfig(**dict(kwargs, **overrides))).eval()
     nudge_vectors(module, 0.05)
     directory = Path(directory)
     module.save_pretrained(directory, safe_serialization=True)

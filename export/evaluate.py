@@ -19,7 +19,9 @@ Summarization (records {"document", "summary"}):
     fraction of distinct outputs and the fraction that repeat a word 3 times or more. Baselines:
     "lead", the document's first sentence (heading lines skipped), and "lead-description", the
     first sentence of its DESCRIPTION section (of the document where there is none).
-Classification (records {"text", "label"}): accuracy, beside the majority-label baseline.
+Classification (records {"text", "label"}): accuracy, beside the majority-label baseline. The
+    model reads the text as the service does: every window (`[CLS] text[a:b] [SEP]`, the
+    service's default stride), their logits averaged, then the most probable label.
 """
 
 from __future__ import annotations
@@ -291,19 +293,34 @@ def evaluate_summarize(model, records: list[dict], max_new_tokens: int = 32, num
     return rows, predictions
 
 
-def evaluate_classify(model, records: list[dict], progress=None) -> tuple[list[dict], list[dict]]:
+def classify_probs(model, text: str, stride: int | None = None) -> tuple[np.ndarray, int]:
+    """(label probabilities, the number of windows read) of a document as the service answers it:
+    its windows (`longdoc.export.windows.classify_windows`; stride None is the service's default
+    `classify_stride`, a whole window), each run alone through ONNX Runtime, then their logits
+    pooled (`longdoc.export.windows.pool_logits`)."""
+    from longdoc.export.windows import classify_windows, pool_logits
+
+    sp = model.manifest.special_tokens
+    ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+    windows = classify_windows(ids, model.manifest.max_length, stride, sp["cls"], sp["sep"])
+    logits = [model.run_encoder(np.array([w]), np.ones((1, len(w)), np.int64))["logits"][0] for w in windows]
+    return pool_logits(logits), len(windows)
+
+
+def evaluate_classify(model, records: list[dict], progress=None, stride: int | None = None
+                      ) -> tuple[list[dict], list[dict]]:
+    """(report rows, per-record predictions): the model's label as the service answers it (every
+    window of the text, `classify_probs`), beside the majority label."""
     labels = [str(r["label"]) for r in records]
     majority = collections.Counter(labels).most_common(1)[0][0]
     items, base, predictions = [], [], []
     for n, r in enumerate(records):
         if model is not None:
-            tok, special = model.tokenizer, model.manifest.special_tokens
-            ids = tok.encode(r["text"], add_special_tokens=False).ids[: model.manifest.max_length - 2]
-            ids = [special["cls"], *ids, special["sep"]]
-            logits = model.run_encoder(np.array([ids]), np.ones((1, len(ids)), np.int64))["logits"][0]
-            pred = model.manifest.labels[int(np.argmax(logits))]
+            probs, n_windows = classify_probs(model, r["text"], stride)
+            names = model.manifest.labels or [f"LABEL_{i}" for i in range(len(probs))]  # the service's names
+            pred = names[int(np.argmax(probs))]  # the service's first label (ties: the lower index)
             items.append({"accuracy": float(pred == str(r["label"]))})
-            predictions.append({"id": r.get("id", n), "model": pred})
+            predictions.append({"id": r.get("id", n), "model": pred, "windows": n_windows})
         base.append({"accuracy": float(majority == str(r["label"]))})
         if progress:
             progress(n + 1, len(records))

@@ -107,6 +107,72 @@ def test_qa_eval_reads_every_window_as_the_service_does():
     assert preds[1]["model"] == "alpha beta gamma" and preds[1]["answer_token"] >= 512
 
 
+class VotingClassifier:
+    """Logits (bad, good): how often each word occurs in the window; it labels what it sees."""
+
+    def __init__(self, tokenizer, max_length):
+        self.tokenizer = tokenizer
+        self.manifest = SimpleNamespace(max_length=max_length, labels=["bad", "good"],
+                                        special_tokens={"cls": 2, "sep": 3, "pad": 0})
+        self.windows = []
+
+    def run_encoder(self, input_ids, attention_mask):
+        ids = list(input_ids[0])
+        self.windows.append(ids)
+        return {"logits": np.array([[ids.count(self.tokenizer.token_to_id(w)) for w in ("bad", "good")]], np.float32)}
+
+
+def service_labels(model, texts):
+    """What the service answers: its host path (service/host.py prepare_classify, with the stride the
+    service's settings default to), every window run, the classify route's pooling and first label."""
+    from longdoc.export.windows import pool_logits
+    from longdoc.service.host import prepare_classify
+    from longdoc.service.settings import Settings
+
+    info = SimpleNamespace(tokenizer=model.tokenizer, max_length=model.manifest.max_length,
+                           special_tokens=model.manifest.special_tokens)
+    job = SimpleNamespace(common=SimpleNamespace(documents=texts))
+    out = []
+    for windows, _ in prepare_classify(info, job, Settings().classify_stride, 10**6):
+        probs = pool_logits([model.run_encoder(w[None], np.ones((1, len(w)), np.int64))["logits"][0] for w in windows])
+        out.append((model.manifest.labels[int(np.argmax(probs))], len(windows)))
+    return out
+
+
+def test_classify_eval_answers_what_the_service_answers_from_every_window():
+    """Issue 26: eval scored the first window alone while the service averages every window's
+    logits; on a text whose first window says "bad" and whose other windows say "good", eval
+    answered "bad" and the service "good"."""
+    tok = word_tokenizer(["bad", "good", "filler"])
+    model = VotingClassifier(tok, max_length=66)  # 64 text tokens a window
+    long_text = "bad " + "filler " * 63 + ("good filler " * 32) * 2 + "good"  # 4 windows, one "bad", 65 "good"
+    records = [{"id": "long", "text": long_text, "label": "good"},
+               {"id": "short", "text": "bad filler good bad", "label": "bad"}]
+    rows, preds = E.evaluate_classify(model, records)
+    assert [p["model"] for p in preds] == ["good", "bad"]
+    assert [p["windows"] for p in preds] == [4, 1]
+    assert [(p["model"], p["windows"]) for p in preds] == service_labels(model, [r["text"] for r in records])
+    assert {r["system"]: r["accuracy"] for r in rows} == {"model": 1.0, "majority (good)": 0.5}
+    assert all(len(w) <= 66 for w in model.windows)
+
+
+def test_classify_eval_of_an_exported_model_is_the_service_path(tiny_classify_dir):
+    """The tiny exported classifier through ONNX Runtime: eval's label and window count for texts of
+    one to several windows are the service host path's."""
+    from longdoc.export.runtime import OnnxModel
+    from longdoc.testing.tiny_models import TINY_WORDS
+
+    model = OnnxModel(tiny_classify_dir, threads=1)
+    texts = [" ".join(TINY_WORDS[(n * 13 + i * 7) % 200] for i in range(words))
+             for n, words in enumerate((5, 300, 2 * model.manifest.max_length, 3 * model.manifest.max_length + 9))]
+    records = [{"id": n, "text": t, "label": "neutral"} for n, t in enumerate(texts)]
+    _, preds = E.evaluate_classify(model, records)
+    expected = service_labels(model, texts)
+    assert [p["model"] for p in preds] == [label for label, _ in expected]
+    assert [(p["model"], p["windows"]) for p in preds] == expected
+    assert max(p["windows"] for p in preds) >= 3
+
+
 def test_read_records_limit_is_evenly_spaced(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from longdoc.service.settings import Settings
-from longdoc.export.evaluate import qa_spans
+from longdoc.export.evaluate import classify_probs, qa_spans
 from longdoc.export.windows import pool_logits
 from longdoc.service.workers import OnnxWorker
 from tests.polling import until
@@ -82,6 +82,9 @@ def test_classification_matches_offline_mean_pooling(server, offline):
     probs = pool_logits(logits)
     got = {x["label"]: x["score"] for x in r.json()["results"][0]["labels"]}
     assert r.json()["results"][0]["usage"]["windows"] == 3
+    # `longdoc eval`'s classify path (longdoc.export.evaluate.classify_probs) answers what the service answers
+    eval_probs, eval_windows = classify_probs(m, doc)
+    assert eval_windows == 3 and np.allclose(eval_probs, probs, atol=1e-9)
     assert np.allclose([got[k] for k in ("negative", "neutral", "positive")], probs, atol=1e-5)
 
 

@@ -19,6 +19,9 @@ import json
 import random
 from pathlib import Path
 
+from longdoc.model.data import MAX_QUESTION_LENGTH
+from longdoc.model.tokenization import qa_room
+
 
 def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, cache: dict) -> dict | None:
     context = record["context"]
@@ -28,7 +31,7 @@ def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, 
         cache[context] = enc = tokenizer.encode(context, add_special_tokens=False)
     offsets = enc.offsets
     question_tokens = len(tokenizer.encode(record["question"], add_special_tokens=False).ids)
-    room = max_length - min(question_tokens, 64) - 3
+    room = qa_room(max_length, min(question_tokens, MAX_QUESTION_LENGTH))  # the question as training cuts it
     answer = record["answers"][0]
     start_char, end_char = answer["start"], answer["start"] + len(answer["text"])
     ends, starts = cache.setdefault("ends", [e for _, e in offsets]), cache.setdefault("starts", [s for s, _ in offsets])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from longdoc.model.tokenization import summarize_window  # noqa: F401  (the one summarize input, re-exported)
+from longdoc.model.tokenization import qa_room, summarize_window  # noqa: F401  (the one QA / summarize input, re-exported)
 
 
 def window_spans(n_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
@@ -47,7 +47,7 @@ class QAWindow:
 
 def qa_windows(question_ids, doc_ids, max_length: int, stride: int | None, cls: int, sep: int) -> list[QAWindow]:
     """Windows of `[CLS] q [SEP] doc[a:b] [SEP]`, each at most max_length tokens."""
-    room = max_length - len(question_ids) - 3
+    room = qa_room(max_length, len(question_ids))
     if room < 1:
         raise ValueError(f"question of {len(question_ids)} tokens leaves no room in a {max_length}-token window")
     stride = stride or max(1, room // 2)

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from longdoc.model.registry import TASKS
-from longdoc.model.tokenization import SUMMARIZE_INPUTS, summarize_window
+from longdoc.model.tokenization import SUMMARIZE_INPUTS, qa_room, summarize_window
 
 IGNORE_INDEX = -100  # label value the losses skip (transformers' convention)
+MAX_QUESTION_LENGTH = 64  # qa: question tokens kept (the default of qa_features and `longdoc train`)
 
 REQUIRED_FIELDS = {
     "mlm": ("text",),
@@ -213,7 +214,7 @@ def qa_features(
     *,
     long_context: str = "window",
     doc_stride: int = 256,
-    max_question_length: int = 64,
+    max_question_length: int = MAX_QUESTION_LENGTH,
     negative_windows: float = 1.0,
     seed: int = 0,
 ) -> list[dict]:
@@ -239,7 +240,7 @@ def qa_features(
             last_context = (record.fields["context"], _encode(tokenizer, record.fields["context"]))
         context = last_context[1]
         offsets = context.offsets  # (char start, char end) of each context token
-        room = max_length - len(question) - 3
+        room = qa_room(max_length, len(question))
         if room < 1:
             raise ValueError(f"max_length {max_length} leaves no room for context after the question")
         span = None  # (first token, last token) of the first answer, in context tokens

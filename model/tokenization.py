@@ -5,6 +5,7 @@
                                      instead (SLOW_TOKENIZER_FILES; needs transformers, at export)
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
+    summarize_window, qa_room     -> the summarize input and the QA window's room for the document
 
 Special tokens are looked up by their text (from `special_tokens_map.json`, then
 `tokenizer_config.json`) in the tokenizer's vocabulary, which is what the tokenizer really
@@ -212,6 +213,19 @@ def summarize_window(doc_ids, max_length: int, special_tokens, template: str = "
     prefix = [] if name is None else [int(special_tokens[name])]
     keep = max_length - 1 - len(prefix)
     return [*prefix, *doc_ids[:keep], int(special_tokens["eos"])], len(doc_ids) > keep
+
+
+# --- the QA input ----------------------------------------------------------------------------------
+# `[CLS] question [SEP] document[a:b] [SEP]` (BERT pairs): training (longdoc.model.data.qa_features),
+# the service's and eval's windows (longdoc.export.windows.qa_windows) and data/qa_windows.py size a
+# window's document part here.
+QA_SPECIAL_TOKENS = 3  # [CLS], [SEP], [SEP]
+
+
+def qa_room(max_length: int, question_len: int) -> int:
+    """Document tokens one QA window of max_length tokens holds beside a question of question_len
+    tokens (`[CLS] question [SEP] doc [SEP]`); below 1 when the question leaves no room."""
+    return max_length - question_len - QA_SPECIAL_TOKENS
 
 
 # --- summary text ----------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from longdoc.model.data import MAX_QUESTION_LENGTH  # no torch
+
 
 def _opt(default, help: str, **cli):
     """A field with its flag's help (and argparse extras: choices, required, cli=False)."""
@@ -52,7 +54,7 @@ class TrainConfig:
     qa_long_context: str = _opt("window", "qa: contexts longer than max-length become overlapping windows, or are cut",
                                 choices=("window", "truncate"))
     doc_stride: int = _opt(256, "qa windows: context tokens between window starts")
-    max_question_length: int = _opt(64, "qa: question tokens kept")
+    max_question_length: int = _opt(MAX_QUESTION_LENGTH, "qa: question tokens kept")
     qa_negative_windows: float = _opt(1.0, "qa windows: share of windows without the answer that is kept "
                                            "(0: only answer windows)")
     labels: list[str] | None = _opt(None, "classify: comma-separated label names (default: the model's, else the data's)")

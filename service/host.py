@@ -101,10 +101,10 @@ def _array(ints, n: int = -1) -> np.ndarray:
 
 def prepare_qa(info, job, stride: int | None, limit: int) -> list[QADocument]:
     q, _ = encode(info, job.question, limit, "question")
-    room = info.max_length - len(q) - 3
-    if room < max(1, info.max_length // 4):  # the document needs room in each window
+    room, min_room = W.qa_room(info.max_length, len(q)), max(1, info.max_length // 4)
+    if room < min_room:  # the document needs room in each window
         raise InvalidRequest(
-            f"question has {len(q)} tokens; at most {info.max_length - 3 - max(1, info.max_length // 4)} "
+            f"question has {len(q)} tokens; at most {len(q) - (min_room - room)} "
             f"fit with a {info.max_length}-token window"
         )
     sp = info.special_tokens

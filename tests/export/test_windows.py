@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longdoc.export.windows import best_spans, classify_windows, pool_logits, qa_windows, summarize_window, window_spans
+from longdoc.export.windows import (best_spans, classify_windows, pool_logits, qa_room, qa_windows, summarize_window,
+                                    window_spans)
 from longdoc.testing.fake_worker import fake_tokenizer
 
 
@@ -123,3 +124,15 @@ def test_manifest_refuses_a_bos_template_without_a_bos_id():
         Manifest(**fields, summarize_input="bos-doc-eos")
     with pytest.raises(ManifestError, match="summarize_input 'bos' is not one of"):
         Manifest(**fields, summarize_input="bos")
+
+
+def test_the_qa_window_template_is_one_function():
+    """`[CLS] question [SEP] doc [SEP]`: qa_room (model/tokenization.py) sizes the document part of
+    the service's windows, training's and data/qa_windows.py's; a full window is max_length tokens."""
+    question, doc = [10, 11, 12], list(range(100, 200))
+    assert qa_room(40, len(question)) == 40 - 3 - 3
+    ws = qa_windows(question, doc, max_length=40, stride=None, cls=2, sep=3)
+    assert ws[0].doc_end - ws[0].doc_start == qa_room(40, len(question))
+    assert all(len(w.input_ids) == 40 for w in ws[:-1]) and len(ws[-1].input_ids) <= 40
+    with pytest.raises(ValueError, match="no room"):
+        qa_windows(list(range(37)), doc, max_length=40, stride=None, cls=2, sep=3)  # qa_room(40, 37) == 0

@@ -71,6 +71,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from longdoc.model.tokenization import TokenOffsets
+
 DATA_DIR = Path(__file__).resolve().parent
 CACHE = DATA_DIR / "cache"
 PACKAGES = ("manpages", "manpages-dev")
@@ -409,18 +411,17 @@ def load_tokenizer():
     return tok
 
 
-def answer_token_end(tok, question: str, context: str, start: int, end: int, context_encoding=None) -> int:
+def answer_token_end(tok, question: str, context: str, start: int, end: int, context_offsets=None) -> int:
     """Index (in the [CLS] question [SEP] context [SEP] sequence) of the answer's last token.
 
     The pair's context tokens are the context's own (the tokenizer reads each sequence alone), so
-    a page's `tok.encode(context, add_special_tokens=False)` may be passed in and reused."""
-    context_tokens = context_encoding if context_encoding is not None else tok.encode(context, add_special_tokens=False)
+    a page's `TokenOffsets(tok.encode(context, add_special_tokens=False).offsets)` may be passed in
+    and reused by all its questions."""
+    if context_offsets is None:
+        context_offsets = TokenOffsets(tok.encode(context, add_special_tokens=False).offsets)
     first = 2 + len(tok.encode(question, add_special_tokens=False).ids)  # [CLS] question [SEP]
-    last = None
-    for t, (a, b) in enumerate(context_tokens.offsets):
-        if a < end and b > start:
-            last = t
-    return first + last if last is not None else first + len(context_tokens.ids) + 1  # len([CLS] q [SEP] c [SEP])
+    span = context_offsets.token_span(start, end)
+    return first + span[1] if span is not None else first + len(context_offsets) + 1  # len([CLS] q [SEP] c [SEP])
 
 
 def pct(values: list[int], q: float) -> int:
@@ -534,11 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     for task, splits in rows.items():
         for split, items in splits.items():
             if tok is not None and task == "qa":
-                page_tokens: dict[str, object] = {}  # one page's encoding serves all its questions
+                page_tokens: dict[str, object] = {}  # one page's token offsets serve all its questions
                 for n, r in enumerate(items, 1):
                     a = r["answers"][0]
                     if r["page"] not in page_tokens:
-                        page_tokens = {r["page"]: tok.encode(r["context"], add_special_tokens=False)}
+                        page_tokens = {r["page"]: TokenOffsets(tok.encode(r["context"], add_special_tokens=False).offsets)}
                     r["answer_token_end"] = answer_token_end(tok, r["question"], r["context"], a["start"],
                                                              a["start"] + len(a["text"]), page_tokens[r["page"]])
                     if n % 2000 == 0 or n == len(items):

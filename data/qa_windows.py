@@ -14,37 +14,35 @@ window. Test files are never windowed: evaluation reads whole pages.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import random
 from pathlib import Path
 
 from longdoc.model.data import MAX_QUESTION_LENGTH
-from longdoc.model.tokenization import qa_room
+from longdoc.model.tokenization import TokenOffsets, qa_room
 
 
 def window_record(record: dict, tokenizer, max_length: int, rng: random.Random, cache: dict) -> dict | None:
+    """One window of the record's page that holds its first answer, the answer rebased onto it; None
+    when the answer is longer than a window or covers no token."""
     context = record["context"]
-    enc = cache.get(context)  # keyed by the text: each JSON line parses a new string for the same page
-    if enc is None:
-        cache.clear()  # one page at a time: its encoding and its token offsets, searched by bisection
-        cache[context] = enc = tokenizer.encode(context, add_special_tokens=False)
-    offsets = enc.offsets
+    if context not in cache:  # keyed by the text: each JSON line parses a new string for the same page
+        cache.clear()  # one page at a time: its encoding's token offsets, searched by bisection
+        cache[context] = TokenOffsets(tokenizer.encode(context, add_special_tokens=False).offsets)
+    tokens = cache[context]
     question_tokens = len(tokenizer.encode(record["question"], add_special_tokens=False).ids)
     room = qa_room(max_length, min(question_tokens, MAX_QUESTION_LENGTH))  # the question as training cuts it
     answer = record["answers"][0]
     start_char, end_char = answer["start"], answer["start"] + len(answer["text"])
-    ends, starts = cache.setdefault("ends", [e for _, e in offsets]), cache.setdefault("starts", [s for s, _ in offsets])
-    first = bisect.bisect_right(ends, start_char)  # the first token ending after the answer's start
-    last = bisect.bisect_left(starts, end_char) - 1  # the last token starting before its end
-    span = last - first + 1
-    if span > room:
+    answer_tokens = tokens.token_span(start_char, end_char)
+    if answer_tokens is None or answer_tokens[1] - answer_tokens[0] + 1 > room:
         return None
+    first, last = answer_tokens
     lo = max(0, last - room + 1)
-    hi = min(first, max(0, len(offsets) - room))
+    hi = min(first, max(0, len(tokens) - room))
     w = rng.randint(lo, max(lo, hi))
-    end_token = min(len(offsets), w + room) - 1
-    char_lo, char_hi = offsets[w][0], offsets[end_token][1]
+    end_token = min(len(tokens), w + room) - 1
+    char_lo, char_hi = tokens.starts[w], tokens.ends[end_token]
     out = dict(record)
     out["context"] = context[char_lo:char_hi]
     out["answers"] = [{"text": answer["text"], "start": start_char - char_lo}]
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             f.write(json.dumps(out) + "\n")
             kept += 1
-    print(f"{kept} windows written, {dropped} answers longer than a window dropped")
+    print(f"{kept} windows written, {dropped} answers longer than a window (or covering no token) dropped")
     return 0
 
 

@@ -123,10 +123,14 @@ def lead_description(document: str) -> str:
 # ----------------------------------------------------------------------------- QA decoding
 
 
-def answer_token_index(tokenizer, context: str, start: int, end: int) -> int:
-    """Index among the context's tokens of the last token of context[start:end]."""
-    offsets = tokenizer.encode(context, add_special_tokens=False).offsets
-    return max((i for i, (a, b) in enumerate(offsets) if a < end and b > start), default=len(offsets))
+def answer_token_index(offsets, start: int, end: int) -> int:
+    """Index among the context's tokens (offsets: their character spans) of the last token of
+    context[start:end]; the number of tokens when it covers none."""
+    from longdoc.model.tokenization import TokenOffsets
+
+    tokens = TokenOffsets(offsets)
+    span = tokens.token_span(start, end)
+    return span[1] if span is not None else len(tokens)
 
 
 def read_qa_windows(model, question: str, context: str, max_length: int, stride: int | None = None,
@@ -219,11 +223,11 @@ def evaluate_qa(model, records: list[dict], max_answer_tokens: int = 128, progre
     for n, r in enumerate(records):
         golds = [a["text"] for a in r["answers"]]
         a = r["answers"][0]
-        last = answer_token_index(tok, r["context"], a["start"], a["start"] + len(a["text"]))
+        windows, starts, ends, offsets = read_qa_windows(model, r["question"], r["context"], max_length, stride)
+        last = answer_token_index(offsets, a["start"], a["start"] + len(a["text"]))
         q_len = len(tok.encode(r["question"], add_special_tokens=False).ids)
         subset = "beyond-512" if q_len + 2 + last >= BASELINE_QA_LENGTH else "within-512"
         pred_row = {"id": r.get("id", n), "answer_token": last}
-        windows, starts, ends, offsets = read_qa_windows(model, r["question"], r["context"], max_length, stride)
         short_read = read_qa_windows(model, r["question"], r["context"], short, stride, max_windows=1)
         reads = {"model": (windows, starts, ends, offsets),  # every window: the service's answer
                  "first-window": (windows[:1], starts[:1], ends[:1], offsets),  # the same first window

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from longdoc.model.registry import TASKS
-from longdoc.model.tokenization import SUMMARIZE_INPUTS, qa_room, summarize_window
+from longdoc.model.tokenization import SUMMARIZE_INPUTS, TokenOffsets, qa_room, summarize_window
 
 IGNORE_INDEX = -100  # label value the losses skip (transformers' convention)
 MAX_QUESTION_LENGTH = 64  # qa: question tokens kept (the default of qa_features and `longdoc train`)
@@ -233,13 +233,13 @@ def qa_features(
         raise ValueError(f"long_context must be 'window' or 'truncate', got {long_context!r}")
     rng = random.Random(seed)
     features = []
-    last_context = (None, None)  # questions about one page usually come together: encode it once
+    last_context = (None, None, None)  # questions about one page usually come together: encode it once
     for record in records:
         question = _encode(tokenizer, record.fields["question"]).ids[:max_question_length]
         if last_context[0] != record.fields["context"]:
-            last_context = (record.fields["context"], _encode(tokenizer, record.fields["context"]))
-        context = last_context[1]
-        offsets = context.offsets  # (char start, char end) of each context token
+            encoding = _encode(tokenizer, record.fields["context"])
+            last_context = (record.fields["context"], encoding, TokenOffsets(encoding.offsets))
+        _, context, offsets = last_context  # offsets: the context tokens' character spans
         room = qa_room(max_length, len(question))
         if room < 1:
             raise ValueError(f"max_length {max_length} leaves no room for context after the question")
@@ -248,11 +248,9 @@ def qa_features(
         if answers:
             start_char = answers[0]["start"]
             end_char = start_char + len(answers[0]["text"])
-            first = next((i for i, (s, e) in enumerate(offsets) if e > start_char), None)
-            last = next((i for i in reversed(range(len(offsets))) if offsets[i][0] < end_char), None)
-            if first is None or last is None or first > last:
+            span = offsets.token_span(start_char, end_char)
+            if span is None:
                 raise DataError(f"{record.source}: the answer covers no token of the context")
-            span = (first, last)
         window_starts = [0]
         if long_context == "window":
             stride = max(1, min(doc_stride, room))

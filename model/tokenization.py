@@ -6,6 +6,7 @@
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
     summarize_window, qa_room     -> the summarize input and the QA window's room for the document
+    TokenOffsets(offsets)         -> the tokens a character span covers (answers' characters to tokens)
 
 Special tokens are looked up by their text (from `special_tokens_map.json`, then
 `tokenizer_config.json`) in the tokenizer's vocabulary, which is what the tokenizer really
@@ -15,6 +16,7 @@ the vocabulary's conventional texts. `decoder_start` comes from `config.json`, e
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from pathlib import Path
@@ -226,6 +228,29 @@ def qa_room(max_length: int, question_len: int) -> int:
     """Document tokens one QA window of max_length tokens holds beside a question of question_len
     tokens (`[CLS] question [SEP] doc [SEP]`); below 1 when the question leaves no room."""
     return max_length - question_len - QA_SPECIAL_TOKENS
+
+
+# --- characters to tokens --------------------------------------------------------------------------
+class TokenOffsets:
+    """A text's token character spans (a tokenizers `Encoding.offsets`), searched by bisection: the
+    tokens a character span covers (an answer's tokens for training, eval, the data builders).
+    Tokenizers emit offsets in text order (starts and ends non-decreasing), so the tokens that
+    overlap [start, end) are one run: from the first token that ends after `start` to the last
+    that starts before `end`. Build it once per text; a lookup is O(log n)."""
+
+    def __init__(self, offsets):
+        self.starts = [s for s, _ in offsets]
+        self.ends = [e for _, e in offsets]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def token_span(self, start: int, end: int) -> tuple[int, int] | None:
+        """(first, last), inclusive, of the tokens that overlap characters [start, end); None when
+        no token does (the span lies in whitespace between tokens, or past the last token)."""
+        first = bisect.bisect_right(self.ends, start)  # the first token ending after start
+        last = bisect.bisect_left(self.starts, end) - 1  # the last token starting before end
+        return (first, last) if first <= last else None
 
 
 # --- summary text ----------------------------------------------------------------------------------

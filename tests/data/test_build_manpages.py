@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from data import build_manpages as B
+from longdoc.model.tokenization import TokenOffsets
 
 PAGE = """NAME
        demo - open and possibly frobnicate a file
@@ -263,7 +264,7 @@ def test_answer_token_end_with_a_reused_page_encoding_equals_the_pair_encoding()
         start, end = a["start"], a["start"] + len(a["text"])
         enc = tok.encode(p["question"], context)  # the pair, as a QA model reads it
         last = max(t for t, (sid, (s, e)) in enumerate(zip(enc.sequence_ids, enc.offsets)) if sid == 1 and s < end and e > start)
-        reused = tok.encode(context, add_special_tokens=False)
+        reused = TokenOffsets(tok.encode(context, add_special_tokens=False).offsets)
         assert B.answer_token_end(tok, p["question"], context, start, end) == last
         assert B.answer_token_end(tok, p["question"], context, start, end, reused) == last
         assert enc.tokens[last] != "[SEP]" and a["text"].lower().endswith(enc.tokens[last].lstrip("#"))

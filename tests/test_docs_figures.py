@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 README, MODELS_MD = ROOT / "README.md", ROOT / "docs" / "models.md"
 SUMMARIZE_CARD, QA_CARD = ROOT / "models" / "summarize" / "MODEL_CARD.md", ROOT / "models" / "qa" / "MODEL_CARD.md"
+CLASSIFY_CARD = ROOT / "models" / "classify" / "MODEL_CARD.md"
 
 
 def results(name: str) -> dict:
@@ -33,6 +34,10 @@ def em_f1(r: dict) -> str:
     return f"{100 * r['exact_match']:.1f} / {100 * r['f1']:.1f}"
 
 
+def accuracy(r: dict) -> str:
+    return f"{100 * r['accuracy']:.1f}"
+
+
 # (results file, system, subset, format, documents that state the figure)
 FIGURES = [
     ("summarize-pkg-test.json", "model", "all", rouge, (README, MODELS_MD, SUMMARIZE_CARD)),
@@ -44,6 +49,8 @@ FIGURES = [
     ("summarize-aclsum.json", "model", "all", rouge, (README, MODELS_MD, SUMMARIZE_CARD)),
     ("summarize-aclsum.json", "lead", "all", rouge, (README, MODELS_MD, SUMMARIZE_CARD)),
     ("qa-pkg-test.json", "model", "all", em_f1, (README, MODELS_MD, QA_CARD)),
+    ("classify-test.json", "model", "all", accuracy, (README, MODELS_MD, CLASSIFY_CARD)),
+    ("classify-test.json", "majority (3)", "all", accuracy, (README, MODELS_MD, CLASSIFY_CARD)),
 ]
 
 

@@ -7,12 +7,12 @@
 
 QA (records {"question", "context", "answers": [{"text", "start"}]}):
     exact match and F1 with SQuAD's normalisation (lower case, no punctuation, no articles
-    a/an/the, single spaces), the max over the gold answers. The model reads
-    `[CLS] question [SEP] context [SEP]` cut to its max_length (one window: the first tokens of
-    the page) and the best span (start <= end, at most `max_answer_tokens`, inside the context)
-    is mapped back to characters. Baseline: the same model restricted to the first 512 tokens.
-    Both are reported overall and on the answers that lie beyond token 512 (the answer's last
-    token at index >= 512 of the sequence above).
+    a/an/the, single spaces), the max over the gold answers. The model reads the page as the
+    service does: every window (`[CLS] question [SEP] context[a:b] [SEP]`, the service's default
+    stride) and the best span over all of them (start <= end, at most `max_answer_tokens`),
+    mapped back to characters. Beside it: the same model's first window alone, and its first
+    512-token window. Reported overall and on the answers that lie beyond token 512 (the
+    answer's last token at index >= 512 of `[CLS] question [SEP] context`).
 Summarization (records {"document", "summary"}):
     ROUGE-1/2/L F1 by the `rouge-score` package with its Porter stemmer (what the literature
     reports; ROUGE-L on the longest common subsequence of the whole text, not rougeLsum), the

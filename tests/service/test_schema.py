@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from longdoc.service.app import _ERRORS
+from longdoc.service.app import _ERRORS, create_app
 from longdoc.service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 
@@ -88,3 +88,27 @@ def test_schema_states_the_choices_and_limits(fake_server):
     responses = schema["paths"]["/v1/summarize"]["post"]["responses"]
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {str(code) for code in _ERRORS} <= set(responses)
+
+
+def test_the_routers_give_the_same_operations():
+    """Issue 26 (routes as routers, service/tasks/*.py and service/operations.py): the OpenAPI
+    document keeps its paths, in order, their methods, operation ids (FastAPI's, from the function
+    names), tags and descriptions (the task routes' docstrings)."""
+    s = Settings(models={"qa": "qa", "cls": "classify", "sum": "summarize"})
+    paths = create_app(s, worker_factory=fake_factory()).openapi()["paths"]
+    listed = [(path, method, op["operationId"], op["tags"])
+              for path, ops in paths.items() for method, op in ops.items()]
+    assert listed == [
+        ("/v1/qa", "post", "qa_v1_qa_post", ["tasks"]),
+        ("/v1/classify", "post", "classify_v1_classify_post", ["tasks"]),
+        ("/v1/summarize", "post", "summarize_v1_summarize_post", ["tasks"]),
+        ("/v1/models", "get", "models_v1_models_get", ["operations"]),
+        ("/livez", "get", "livez_livez_get", ["operations"]),
+        ("/readyz", "get", "readyz_readyz_get", ["operations"]),
+        ("/metrics", "get", "metrics_metrics_get", ["operations"]),
+    ]
+    assert paths["/v1/qa"]["post"]["description"].startswith("Answer a question from each document")
+    assert paths["/v1/classify"]["post"]["description"].startswith("Label each document")
+    assert paths["/v1/summarize"]["post"]["description"].startswith("Summarize each document")
+    for path in ("/v1/qa", "/v1/classify", "/v1/summarize"):
+        assert {str(code) for code in _ERRORS} <= set(paths[path]["post"]["responses"])

@@ -204,7 +204,7 @@ def validate(runs, data: str | Path, out: str | Path | None = None, device: str 
     from longdoc.model.tokenization import (load_tokenizer, special_token_ids, summarize_input_of,
                                             summarize_window, summary_text)
 
-    records = read_records(data, limit)
+    records = read_records(data, limit, "summarize")
     results = []
 
     def row(system, texts, refs, cut, **extra):

@@ -185,11 +185,14 @@ class Report:
         return "\n".join(lines)
 
 
-def read_records(path: str | Path, limit: int | None = None) -> list[dict]:
-    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not records:
-        raise ValueError(f"{path}: no records")
-    if limit and limit < len(records):  # evenly spaced, so every part of the file is represented
+def read_records(path: str | Path, limit: int | None = None, task: str | None = None) -> list[dict]:
+    """The records of a JSONL file (`longdoc.model.data.read_jsonl`: a bad line is named by file
+    and line, with the task's fields checked when `task` is given); with `limit`, that many evenly
+    spaced ones, so every part of the file is represented."""
+    from longdoc.model.data import read_jsonl
+
+    records = [r.fields for r in read_jsonl(path, task)]
+    if limit and limit < len(records):
         step = len(records) / limit
         records = [records[int(i * step)] for i in range(limit)]
     return records
@@ -345,7 +348,7 @@ def evaluate(model_dir: str | Path | None, data: str | Path, task: str | None = 
         task = model.manifest.task
     if task is None:
         raise ValueError("give a model directory or --task")
-    records = read_records(data, limit)
+    records = read_records(data, limit, task)
 
     def progress(done, total):
         if not quiet and (done == total or done % 10 == 0):

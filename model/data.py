@@ -57,9 +57,11 @@ class Record:
     fields: dict[str, Any]
 
 
-def read_jsonl(path: str | Path, task: str) -> list[Record]:
-    """Every record of a JSONL file, checked for the task's fields and their types."""
-    if task not in REQUIRED_FIELDS:
+def read_jsonl(path: str | Path, task: str | None) -> list[Record]:
+    """Every record of a JSONL file (JSON objects, blank lines skipped, a byte-order mark
+    tolerated), checked for the task's fields and their types (task None: objects only). The one
+    reader of the project's data files: training, `longdoc eval`, the data scripts."""
+    if task is not None and task not in REQUIRED_FIELDS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     path = Path(path)
     if not path.is_file():
@@ -76,7 +78,8 @@ def read_jsonl(path: str | Path, task: str) -> list[Record]:
                 raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            _check_fields(obj, task, where)
+            if task is not None:
+                _check_fields(obj, task, where)
             records.append(Record(where, obj))
     if not records:
         raise DataError(f"{path}: no records")

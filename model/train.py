@@ -143,21 +143,38 @@ def load_weights(module: nn.Module, task: str, directory: Path, log=print) -> No
 
 
 def load_tokenizer(model: str, tokenizer: str | None):
-    """tokenizers.Tokenizer without truncation or padding (the data code does both)."""
-    from tokenizers import Tokenizer
+    """(tokenizers.Tokenizer without truncation or padding (the data code does both), its file):
+    `tokenizer` (a tokenizer.json or its dir), else the model's dir, read by the one loader
+    (`longdoc.model.tokenization.load_tokenizer`: a checkpoint that ships only spiece.model or
+    vocab.json + merges.txt is named with the command that converts it)."""
+    from longdoc.model.tokenization import TOKENIZER_NAME, TokenizerError, load_tokenizer as load
 
     if tokenizer is None:
         path = Path(model)
         tokenizer = str(path if path.is_dir() else path.parent)
     path = Path(tokenizer)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
+    if path.is_file():  # a tokenizer.json under another name
+        path, tok = path, load_file_tokenizer(path)
+    elif path.is_dir():
+        try:
+            tok = load(path)
+        except TokenizerError as e:
+            raise ValueError(f"{e} (or pass --tokenizer DIR_OR_FILE)") from None
+        path = path / TOKENIZER_NAME
+    else:
         raise ValueError(f"no tokenizer at {path} (pass --tokenizer DIR_OR_FILE)")
-    tok = Tokenizer.from_file(str(path))
     tok.no_truncation()
     tok.no_padding()
     return tok, path
+
+
+def load_file_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises plain Exception subclasses for malformed files
+        raise ValueError(f"{path}: not a readable tokenizers file ({e})") from None
 
 
 def _copy_tokenizer_files(tokenizer_path: Path, directory: Path) -> None:

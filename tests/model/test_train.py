@@ -474,3 +474,14 @@ def test_summarize_features_are_the_served_input():
     assert pegasus[0]["input_ids"] == [*doc[:5], 102]
     b2b = D.summarize_features(records, tok, special, 6, 8, summarize_input_of("encoder-decoder"))
     assert b2b[0]["input_ids"] == [101, *doc[:4], 102] and b2b[0]["labels"][-1] == 102
+
+
+def test_training_reads_the_tokenizer_with_the_one_loader(tmp_path):
+    """A checkpoint as downloaded may ship vocab.txt (or spiece.model, vocab.json + merges.txt)
+    without tokenizer.json: `longdoc train` says which files it found and how to convert them, as
+    export does, instead of only "no tokenizer"."""
+    from longdoc.model.train import load_tokenizer
+
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\nhello\n")
+    with pytest.raises(ValueError, match=r"found vocab\.txt.*--tokenizer DIR_OR_FILE"):
+        load_tokenizer(str(tmp_path), None)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import re
 import string
 import sys

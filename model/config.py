@@ -5,8 +5,8 @@ ones (BigBird-Pegasus, LED). No torch."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
 
 
 def eos_token_ids(eos_token_id) -> list[int]:
@@ -57,15 +57,27 @@ class HFConfig:
         return d
 
 
+@dataclass
 class Seq2SeqConfig:
     """`config.json` <-> dataclass for the BART-style encoder-decoders (BigBird-Pegasus, LED):
     transformers' aliases (`ALIASES`, its attribute_map) read under the field's name; `to_dict`
-    leaves unset (None) options out. Subclasses set `model_type`, `ARCHITECTURE` and `ALIASES`."""
+    leaves unset (None) options out. Subclasses (dataclasses) add their architecture's fields and
+    set `model_type`, `ARCHITECTURE` and `ALIASES`; the generation defaults some checkpoints
+    carry, and the keys not modelled (`extra`, written back by `to_dict`), are here once."""
 
-    model_type: str  # class attribute, not a field
-    ARCHITECTURE: str  # the architecture written to config.json
-    ALIASES: dict[str, str] = {}
-    extra: dict[str, Any]
+    model_type = ""  # class attributes, not fields
+    ARCHITECTURE = ""  # the architecture written to config.json
+    ALIASES: ClassVar[dict[str, str]] = {}
+    # generation defaults some checkpoints carry (None = not set)
+    max_length: int | None = None
+    min_length: int | None = None
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    early_stopping: bool | str | None = None
+    forced_eos_token_id: int | list[int] | None = None
+    forced_bos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):

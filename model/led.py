@@ -35,7 +35,7 @@ classification / QA heads, `inputs_embeds`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,16 +87,6 @@ class LEDConfig(Seq2SeqConfig):
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 2
     decoder_start_token_id: int = 2
-    # generation defaults some checkpoints carry (None = not set)
-    max_length: int | None = None
-    min_length: int | None = None
-    num_beams: int | None = None
-    length_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    early_stopping: bool | str | None = None
-    forced_eos_token_id: int | list[int] | None = None
-    forced_bos_token_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "led"
     ARCHITECTURE = "LEDForConditionalGeneration"

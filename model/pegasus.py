@@ -37,7 +37,7 @@ Export-friendly entry points (the ONNX export's reference, `longdoc export verif
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -240,16 +240,6 @@ class BigBirdPegasusConfig(Seq2SeqConfig):
     bos_token_id: int | None = 2
     eos_token_id: int | list[int] | None = 1
     decoder_start_token_id: int = 2
-    # generation defaults some checkpoints carry (None = not set)
-    max_length: int | None = None
-    min_length: int | None = None
-    num_beams: int | None = None
-    length_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    early_stopping: bool | str | None = None
-    forced_eos_token_id: int | list[int] | None = None
-    forced_bos_token_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "bigbird_pegasus"
     ARCHITECTURE = "BigBirdPegasusForConditionalGeneration"

@@ -197,9 +197,9 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
             if access.enabled:  # every operation but the open paths needs the bearer key
                 bearer = {"type": "http", "scheme": "bearer"}
                 app.openapi_schema["components"]["securitySchemes"] = {"apiKey": bearer}
-                for path, operations in app.openapi_schema["paths"].items():
+                for path, path_operations in app.openapi_schema["paths"].items():
                     if path not in settings.open_paths:
-                        for operation in operations.values():
+                        for operation in path_operations.values():
                             operation["security"] = [{"apiKey": []}]
             caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
             if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)

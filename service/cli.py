@@ -24,7 +24,7 @@ def add_commands(subparsers) -> None:
     try:
         from longdoc.service.settings import Settings
     except ModuleNotFoundError as exc:  # pydantic-settings & co. come with the serve extra
-        p.set_defaults(func=lambda args: _raise(exc))  # longdoc.cli names the extra to install
+        p.set_defaults(func=lambda args, exc=exc: _raise(exc))  # longdoc.cli names the extra to install
         return
     for name, field in Settings.model_fields.items():
         if not (field.json_schema_extra or {}).get("no_flag"):  # secrets: a flag would show in `ps`

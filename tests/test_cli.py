@@ -69,3 +69,20 @@ def test_serving_a_directory_that_is_not_an_export_prints_one_line(tmp_path):
     assert run.stderr.strip().splitlines() == [
         f"longdoc serve: error: model qa: {tmp_path}/manifest.json: no manifest.json "
         f"(is {tmp_path} an exported model directory?)"]
+
+
+def test_serve_without_its_extra_names_the_missing_module(monkeypatch):
+    """Without the serve extra's packages, `longdoc serve` raises the ModuleNotFoundError that
+    longdoc.cli turns into "install longdoc[...]", not a NameError of the handler (the except
+    block's name is gone by the time the command runs)."""
+    import argparse
+    import sys
+
+    from longdoc.service import cli as service_cli
+
+    monkeypatch.setitem(sys.modules, "longdoc.service.settings", None)
+    parser = argparse.ArgumentParser()
+    service_cli.add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve"])
+    with pytest.raises(ModuleNotFoundError):
+        args.func(args)

@@ -25,7 +25,7 @@ absolute difference of the start and end logits from hf-eager's on the same inpu
 compared are the same). A child that fails is reported as failed (reason) and not run again at that
 length.
 
-    .venv/bin/python bench/modernbert.py --lengths 2048,4096,8192 --reps 2
+    .venv/bin/python bench/modernbert.py --lengths 2048,4096,8192 --reps 2,1,1
 
 writes docs/modernbert.json and docs/modernbert.png and prints the table (docs/modernbert.md).
 `--quick` runs the same on the tests' tiny ModernBERT (longdoc/testing/tiny_models.py) at 64 and
@@ -315,6 +315,16 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _reps(text: str) -> list[int]:
+    try:
+        reps = [int(x) for x in text.split(",")]
+    except ValueError:
+        reps = []
+    if not reps or min(reps) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of rounds, or one per length")
+    return reps
+
+
 def _systems(text: str) -> list[str]:
     names = [x for x in text.split(",") if x]
     if not names or any(x not in SYSTEMS for x in names):
@@ -328,8 +338,9 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoint, exports and logits are built here once (default: /tmp/longdoc-modernbert)")
     p.add_argument("--lengths", type=_lengths, default=None, metavar="N,...",
                    help=f"tokens per input, comma-separated (default: {DEFAULT_LENGTHS}; {QUICK_LENGTHS} with --quick)")
-    p.add_argument("--reps", type=int, default=None,
-                   help="interleaved rounds per length, each a warm-up and a timed pass (default: 2; 1 with --quick)")
+    p.add_argument("--reps", type=_reps, default=None, metavar="N[,N...]",
+                   help="interleaved rounds per length, each a warm-up and a timed pass; one number for every "
+                        "length or one per length, e.g. 2,1,1 (default: 2; 1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (default: 2)")
     p.add_argument("--systems", type=_systems, default=list(SYSTEMS), metavar="NAME,...",
                    help=f"which systems to measure, comma-separated (default: {','.join(SYSTEMS)})")
@@ -352,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = "tiny" if a.quick else "base"
     lengths = a.lengths or _lengths(QUICK_LENGTHS if a.quick else DEFAULT_LENGTHS)
-    reps = a.reps or (1 if a.quick else 2)
+    reps = a.reps or [1 if a.quick else 2]
+    if len(reps) not in (1, len(lengths)):
+        sys.exit(f"--reps: one number or one per length ({len(lengths)})")
+    reps_at = dict(zip(lengths, reps * len(lengths) if len(reps) == 1 else reps))
     out_dir = a.work if a.quick else ROOT / "docs"
     json_path, png_path = a.json or out_dir / "modernbert.json", a.png or out_dir / "modernbert.png"
     a.work.mkdir(parents=True, exist_ok=True)
@@ -387,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rounds: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in lengths} for s in a.systems}
     for n in lengths:
-        for rep in range(reps):
+        for rep in range(reps_at[n]):
             for system in a.systems:
                 if system == "hf-onnx" and "failed" in onnx_status:
                     rounds[system][n].append({"failed": f"torch.onnx.export: {onnx_status['failed']}"})
@@ -399,12 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"failed ({r['failed']})" if "failed" in r else f"{r['seconds']:.2f} s, peak {r['peak_gib']:.2f} GiB"))
                 rounds[system][n].append(r)
     results = {
-        "command": "python bench/modernbert.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": ".venv/bin/python bench/modernbert.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
                     "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
-        "config": config, "lengths": lengths, "reps": reps, "threads": a.threads, "reference": REFERENCE,
+        "config": config, "lengths": lengths, "reps": {str(n): r for n, r in reps_at.items()}, "threads": a.threads, "reference": REFERENCE,
         "hf_onnx_export": onnx_status,
         "systems": {s: {str(n): summarize(rounds[s][n]) for n in lengths} for s in a.systems},
     }
@@ -417,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, png_path)
     print(f"ModernBERT{'-base' if config == 'base' else ' (tiny)'} QA, batch 1, {a.threads} threads, "
-          f"median of {reps} interleaved round(s)")
+          f"median of {'/'.join(str(r) for r in reps_at.values())} interleaved round(s) at {'/'.join(map(str, lengths))} tokens")
     print(markdown_table(results))
     g = results["goal"]
     shown = "-" if g["speedup"] is None else f"{g['speedup']:.2f}x"

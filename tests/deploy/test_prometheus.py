@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+from datetime import datetime
 
 import pytest
 
 from tests.deploy import stack
 from tests.deploy.conftest import ROOT, load_script, require_tool
+from tests.polling import until
 
 LOAD_SECONDS = 30
 RATE_WINDOW = "15s"  # what $__rate_interval becomes at a 1 s scrape interval
@@ -32,14 +35,27 @@ def scraped_load(tmp_path_factory, tiny_qa_dir, tiny_classify_dir, tiny_summariz
         target = url.removeprefix("http://")
         with stack.prometheus(binary, target, [ROOT / "docker/prometheus/rules.yml"], work, LABELS) as prom:
             # the target is up before the load starts
-            end = time.monotonic() + 30
-            while not stack.instant_query(prom, 'up{job="longdoc"} == 1') and time.monotonic() < end:
-                time.sleep(0.5)
+            until(lambda: stack.instant_query(prom, 'up{job="longdoc"} == 1'), "Prometheus scrapes the service")
             start = time.time()
             statuses = stack.load(url, LOAD_SECONDS)
             stop = time.time()
-            time.sleep(3)  # last scrapes and rule evaluations
+            until(lambda: scraped_and_evaluated_after(prom, stop + 1),
+                  "a scrape and every rule group's evaluation after the load ended")
             yield prom, start, stop, statuses
+
+
+def scraped_and_evaluated_after(prom: str, t: float) -> bool:
+    """Prometheus has scraped the service, and evaluated every rule group, after time `t`."""
+    if not stack.instant_query(prom, f'timestamp(up{{job="longdoc"}}) > {t:.3f}'):
+        return False
+    _, body = stack.get(f"{prom}/api/v1/rules", timeout=30)
+    groups = json.loads(body)["data"]["groups"]
+
+    def seconds(rfc3339: str) -> float:  # "2026-11-26T20:50:01.123456789Z": at most 6 fraction digits
+        stamp = re.sub(r"(\.\d{6})\d*", r"\1", rfc3339).replace("Z", "+00:00")
+        return datetime.fromisoformat(stamp).timestamp()
+
+    return bool(groups) and all(seconds(g["lastEvaluation"]) > t for g in groups)
 
 
 def test_load_was_served(scraped_load):

@@ -10,6 +10,8 @@ Systems:
 
     ours-fp32   `longdoc export --task qa` (sliding layers lowered to a band, linear in S), ONNX Runtime
     ours-int8   the same with `--dtype int8` (dynamic int8 quantization of the dense MatMuls)
+    ours-int8-attn  the same with `--int8-attention dynamic-s8`: the full layers' Q.K^T and P.V in
+                int8 too (the band layers stay fp32)
     hf-eager    transformers' ModernBertForQuestionAnswering, attn_implementation="eager"
     hf-sdpa     the same, attn_implementation="sdpa"
     hf-onnx     torch.onnx.export of transformers' model (sdpa, dynamic batch and sequence axes), run
@@ -45,10 +47,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("ours-fp32", "ours-int8", "hf-eager", "hf-sdpa", "hf-onnx")
-EXPORTS = {"ours-fp32": "fp32", "ours-int8": "int8"}  # system -> dtype (export directory = the system's name)
+SYSTEMS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-eager", "hf-sdpa", "hf-onnx")
+# system -> (dtype, int8 attention); the export directory is the system's name
+EXPORTS = {"ours-fp32": ("fp32", "off"), "ours-int8": ("int8", "off"), "ours-int8-attn": ("int8", "dynamic-s8")}
 REFERENCE = "hf-eager"
-GOAL_SPEEDUP = 3.0  # ours-int8 at the longest length vs transformers' fastest CPU path (hf-eager, hf-sdpa)
+GOAL_SPEEDUP = 3.0  # ours int8 at the longest length vs transformers' fastest CPU path (hf-eager, hf-sdpa)
 DEFAULT_LENGTHS = "2048,4096,8192"
 QUICK_LENGTHS = "64,128"
 
@@ -269,10 +272,14 @@ def markdown_table(results: dict) -> str:
 
 
 def goal(results: dict) -> dict:
-    """At the longest length: ours-int8 at least GOAL_SPEEDUP x faster than transformers' fastest path."""
+    """At the longest length: our faster int8 export (ours-int8, ours-int8-attn) at least GOAL_SPEEDUP x
+    faster than transformers' fastest path."""
     n = results["lengths"][-1]
-    s = speedup(results, "ours-int8", n) if "ours-int8" in results["systems"] else None
-    return {"length": n, "target": GOAL_SPEEDUP, "speedup": s, "met": bool(s and s >= GOAL_SPEEDUP)}
+    found = [(speedup(results, name, n), name) for name in ("ours-int8", "ours-int8-attn")
+             if name in results["systems"]]
+    s, system = max(((v, name) for v, name in found if v), default=(None, None))
+    return {"length": n, "target": GOAL_SPEEDUP, "speedup": s, "system": system,
+            "met": bool(s and s >= GOAL_SPEEDUP)}
 
 
 def plot(results: dict, png: Path) -> None:
@@ -382,10 +389,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from longdoc.export.exporter import export_model
 
-    for system, dtype in EXPORTS.items():
+    for system, (dtype, int8_attention) in EXPORTS.items():
         if system in a.systems and not (a.work / system / "manifest.json").is_file():
-            log(f"longdoc export --task qa --dtype {dtype} -> {a.work / system}")
-            export_model(a.work / "checkpoint", a.work / system, "qa", dtype=dtype, progress=lambda m: log("  " + m))
+            log(f"longdoc export --task qa --dtype {dtype} --int8-attention {int8_attention} -> {a.work / system}")
+            export_model(a.work / "checkpoint", a.work / system, "qa", dtype=dtype, int8_attention=int8_attention,
+                         progress=lambda m: log("  " + m))
     onnx_status = None
     if "hf-onnx" in a.systems:
         if (a.work / "hf-onnx" / "export.json").is_file():
@@ -435,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(results))
     g = results["goal"]
     shown = "-" if g["speedup"] is None else f"{g['speedup']:.2f}x"
-    print(f"goal (ours-int8 >= {g['target']:.0f}x transformers' fastest at {g['length']} tokens): "
-          f"{'met' if g['met'] else 'not met'} ({shown})")
+    print(f"goal (ours int8 >= {g['target']:.0f}x transformers' fastest at {g['length']} tokens): "
+          f"{'met' if g['met'] else 'not met'} ({shown}, {g['system']})")
     log(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -591,7 +591,7 @@ def _apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, H: int, D: int) -
     return g.op("Reshape", [y, g.const([0, 0, H * D])])
 
 
-def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str):
+def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str, int8_attention: str = "off"):
     """input_ids, attention_mask (B, S) int64 (S a multiple of local_attention / 2) + the band table
     (layout_key_blocks, layout_valid; when a layer slides) -> start_logits/end_logits (B, S) |
     logits (B, num_labels) | logits (B, S, V).
@@ -628,7 +628,8 @@ def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str):
     x = norm(_embedding(g, w[p + "embeddings.tok_embeddings.weight"], ids, "tok_embeddings"), p + "embeddings.norm",
              "emb_norm")
     ctx = replace(attention_context(g, mask, bs, H, D, sparse=True), layout_global_rows=False)
-    dense_ctx = replace(ctx, sparse=False)
+    # int8_attention (INT8_ATTENTION): the full layers' two products; the band layers stay fp32, as Longformer's
+    dense_ctx = replace(ctx, sparse=False, int8=int8_attention)
     theta = {kind: _rope_theta(config, kind) for kind in ("full_attention", "sliding_attention")}
     rope = {}
     for i, spec in enumerate(specs):

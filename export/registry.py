@@ -111,8 +111,9 @@ def build_led(w: Weights, config: dict, r: BuildRequest) -> Graphs:
 def build_modernbert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     kinds = ["band" if spec.band else "dense" for spec in modernbert_layer_specs(config)]
     r.progress(f"building ModernBERT encoder graph ({len(kinds)} layers: {kinds.count('band')} band, "
-               f"{kinds.count('dense')} dense; {r.dtype})")
-    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype)})
+               f"{kinds.count('dense')} dense; {r.dtype}" + (f"; int8 attention {r.int8_attention} in the dense "
+                                                            "layers" if r.int8_attention != "off" else "") + ")")
+    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype, r.int8_attention)})
 
 
 def build_b2b(w: Weights, config: dict, r: BuildRequest) -> Graphs:
@@ -135,5 +136,4 @@ register_lowering("longformer", build_longformer, unused=("longformer.embeddings
 register_lowering("bigbird_pegasus", build_pegasus)
 register_lowering("led", build_led, no_int8_attention=_WINDOW_FP32)
 register_lowering("encoder-decoder", build_b2b, unused=("encoder.pooler.weight", "encoder.pooler.bias"))
-register_lowering("modernbert", build_modernbert,
-                  no_int8_attention="ModernBERT's band and dense layers run their attention in fp32")
+register_lowering("modernbert", build_modernbert)  # --int8-attention: its dense layers (the band stays fp32)

@@ -42,13 +42,14 @@ def test_quick_run_has_every_system_and_length(quick_run):
         assert set(by_length) == {"32", "64"}, system
         for n, row in by_length.items():
             assert row["seconds"] is None and row["failed"] or row["seconds"] > 0 and row["peak_gib"] > 0, (system, n)
-    for system in ("ours-fp32", "ours-int8", "hf-eager", "hf-sdpa"):  # these never fail
+    for system in ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-eager", "hf-sdpa"):  # these never fail
         assert all(row["seconds"] for row in results["systems"][system].values()), system
     for n in ("32", "64"):
         assert results["systems"]["ours-fp32"][n]["max_diff"] < 1e-4
         assert results["systems"]["ours-int8"][n]["max_diff"] < 0.5
+        assert results["systems"]["ours-int8-attn"][n]["max_diff"] < 0.5
     assert results["hf_onnx_export"]  # exported, or the error is recorded
-    assert set(results["goal"]) == {"length", "target", "speedup", "met"} and results["goal"]["length"] == 64
+    assert set(results["goal"]) == {"length", "target", "speedup", "system", "met"} and results["goal"]["length"] == 64
     assert bench.markdown_table(results) in stdout
     assert (work / "modernbert.png").stat().st_size > 0
 
@@ -65,3 +66,10 @@ def test_the_table_in_the_docs_is_the_results_file():
     assert bench_module().markdown_table(results) in doc
     assert results["command"] in doc and results["config"] == "base"
     assert results["lengths"] == [2048, 4096, 8192]
+
+
+def test_the_int8_attention_table_in_the_docs_is_its_results_file():
+    results = json.loads((ROOT / "docs" / "modernbert-int8-attention.json").read_text())
+    doc = (ROOT / "docs" / "modernbert.md").read_text()
+    assert bench_module().markdown_table(results) in doc and results["command"] in doc
+    assert set(results["systems"]) == {"ours-int8", "ours-int8-attn", "hf-sdpa"}

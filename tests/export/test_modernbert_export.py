@@ -11,6 +11,7 @@ Checkpoints are made by transformers (longdoc/testing/tiny_models.py `make_tiny_
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import onnx
@@ -201,11 +202,24 @@ def test_fp16_and_int8_exports_verify(modernbert, tmp_path, dtype):
         assert {c.what for c in report.checks if c.graph == "agreement"} >= {"best span identical"}
 
 
-def test_int8_attention_is_refused(modernbert, tmp_path):
-    with pytest.raises(CheckpointError, match="ModernBERT's band and dense layers run their attention in fp32"):
-        export_model(modernbert["qa"][0], tmp_path / "out", "qa", dtype="int8", int8_attention="dynamic",
-                     progress=quiet)
-    assert not (tmp_path / "out").exists()
+def test_int8_attention_runs_the_dense_layers_products_in_int8(modernbert, tmp_path):
+    """`--int8-attention` on ModernBERT: its full layers' Q.K^T and P.V become integer products
+    (the band layers stay fp32, as Longformer's); the export verifies by agreement."""
+    checkpoint = modernbert["qa"][0]
+    export_model(checkpoint, tmp_path / "plain", "qa", dtype="int8", progress=quiet)
+    export_model(checkpoint, tmp_path / "attn", "qa", dtype="int8", int8_attention="dynamic-s8", progress=quiet)
+
+    def integer_products(d):
+        return sum(n.op_type == "MatMulInteger" for n in onnx.load(str(d / "encoder.onnx")).graph.node)
+
+    specs = modernbert_layer_specs(json.loads((checkpoint / "config.json").read_text()))
+    full_layers = sum(not spec.band for spec in specs)
+    assert full_layers >= 1
+    # two products per attention group of each full layer beyond the weights' own MatMulIntegers
+    assert integer_products(tmp_path / "attn") >= integer_products(tmp_path / "plain") + 2 * full_layers
+    assert check_graph(str(tmp_path / "attn" / "encoder.onnx"), sparse=False) == []
+    report = verify_model(tmp_path / "attn", checkpoint, progress=quiet, lengths=[7, 37, 100, 512])
+    assert report.ok, report.summary()
 
 
 def test_every_layer_types_spelling_is_the_model_files():

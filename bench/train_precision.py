@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="data/cache/summarize-b2b-init",
-                   help="checkpoint to train (default: data/cache/summarize-b2b-init)")
-    p.add_argument("--train", default="data/cache/manpages-broad/summarize_train.jsonl",
-                   help="training JSONL (default: data/cache/manpages-broad/summarize_train.jsonl)")
-    p.add_argument("--max-length", type=int, default=768, help="encoder tokens (default: 768)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    from longdoc.model.train_config import add_train_arguments, config_from_args
+
+    # the TrainConfig fields this benchmark takes (help texts: model/train_config.py), with its defaults
+    add_train_arguments(p, only=("model", "train", "max_length", "batch_size"),
+                        defaults={"model": "data/cache/summarize-b2b-init",
+                                  "train": "data/cache/manpages-broad/summarize_train.jsonl",
+                                  "max_length": 768, "batch_size": 8})
     p.add_argument("--steps", type=int, default=3, help="timed steps per precision per round (default: 3)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
@@ -40,7 +41,7 @@ def main() -> None:
     import torch
 
     from longdoc.model import data as D
-    from longdoc.model.train import TrainConfig, Trainer, task_loss
+    from longdoc.model.train import Trainer, task_loss
 
     torch.set_num_threads(a.threads)
     if not (Path(a.model) / "config.json").is_file():
@@ -48,9 +49,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", "import sys; from data.train_default_summarize import build_init_b2b; "
                         "build_init_b2b(sys.argv[1])", str(Path(a.model).resolve())], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(TrainConfig(task="summarize", model=a.model, train=a.train, output=out, max_length=a.max_length,
-                                      max_target_length=48, batch_size=a.batch_size, max_steps=1, device="cpu",
-                                      quiet=True))
+        trainer = Trainer(config_from_args(a, task="summarize", output=out, max_target_length=48, max_steps=1,
+                                           device="cpu", quiet=True))
     lengths = [len(f["input_ids"]) for f in trainer.train_features]
     order = D.length_grouped_batches(lengths, a.batch_size, 0, 0)
     batches = [trainer._collate([trainer.train_features[i] for i in order[j]]) for j in range(a.steps)]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -16,6 +15,7 @@ from longdoc.export.graph import LOWERED_ACTIVATIONS, OPSET, save_model
 from longdoc.export.lowering import LONGFORMER_ATTENTION, Weights
 from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
 from longdoc.export.registry import LOWERINGS, BuildRequest, Lowering
+from longdoc.model.config import read_json_object
 from longdoc.model.layout import AttentionSpec
 from longdoc.model.registry import model_types_for
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
@@ -37,10 +37,7 @@ def read_config(directory: str | Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face checkpoint directory)")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    config = read_json_object(path, CheckpointError)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in LOWERINGS:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "

@@ -96,13 +96,9 @@ def read_config(d: Path) -> dict:
     path = d / CONFIG_NAME
     if not path.is_file():
         raise LoadError(f"{str(d)!r} has no {CONFIG_NAME}: not a Hugging Face checkpoint directory")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoadError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise LoadError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    from longdoc.model.config import read_json_object
+
+    return read_json_object(path, LoadError)
 
 
 def supported_text() -> str:

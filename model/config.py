@@ -5,8 +5,29 @@ ones (BigBird-Pegasus, LED). No torch."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar
+
+
+def read_json_object(path, error: type[Exception] = ValueError, missing: dict | None = None) -> dict:
+    """A JSON-object file (config.json, tokenizer_config.json, ...): `missing` when there is no
+    such file (None: an error), else the object; `error` (the caller's error type) names the path
+    when the file is not valid JSON or holds another type. The one reader of the project's JSON
+    configs (checkpoint loading, export, training, tokenizers)."""
+    path = Path(path)
+    if not path.is_file():
+        if missing is not None:
+            return dict(missing)
+        raise error(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def eos_token_ids(eos_token_id) -> list[int]:

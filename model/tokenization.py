@@ -17,7 +17,6 @@ the vocabulary's conventional texts. `decoder_start` comes from `config.json`, e
 from __future__ import annotations
 
 import bisect
-import json
 import re
 from pathlib import Path
 
@@ -125,13 +124,10 @@ def convert_tokenizer(directory):
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
+    """A tokenizer or model config file, {} when there is none (`longdoc.model.config.read_json_object`)."""
+    from longdoc.model.config import read_json_object
+
+    return read_json_object(path, TokenizerError, missing={})
 
 
 def _token_text(value) -> str | None:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model import data as D
+from longdoc.model.config import read_json_object
 from longdoc.model.registry import lookup, model_types_for, summarize_input_of
 from longdoc.model.train_config import TrainConfig  # noqa: F401 (the one description of a run; re-exported)
 
@@ -72,22 +73,15 @@ class TrainResult:
 # ----------------------------------------------------------------------------- model building
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read JSON config ({exc})") from None
-
-
 def _model_config_source(model: str) -> tuple[dict, Path | None]:
     """(config dict, checkpoint dir or None for random init)."""
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json")
-        return _read_json(path / "config.json"), path
+        return read_json_object(path / "config.json"), path
     if path.is_file():
-        return _read_json(path), None
+        return read_json_object(path), None
     raise ValueError(f"--model {model}: no such directory or config file")
 
 

@@ -6,6 +6,7 @@ its flags from `Settings`)."""
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import MISSING, dataclass, field, fields
 
 from longdoc.model.data import MAX_QUESTION_LENGTH  # no torch
@@ -91,6 +92,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] |
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         required = f.metadata.get("required", False) and f.name not in defaults
         help_text = helps.get(f.name, f.metadata["help"])
+        if f.name in defaults and f.name not in helps:  # the field's own default no longer applies
+            help_text = re.sub(r"\s*\(default: [^)]*\)", "", help_text)
         kwargs: dict = {"dest": f.name, "default": default}
         if f.name == "resume":  # a bare --resume: the latest checkpoint
             kwargs.update(nargs="?", const="latest", metavar="CHECKPOINT")

@@ -40,3 +40,15 @@ def test_a_run_needs_its_task_model_data_and_output():
         TrainConfig(model="m", train="t", output="o")
     with pytest.raises(SystemExit):
         parser().parse_args(["train", "--task", "qa"])
+
+
+def test_a_recipes_own_default_is_the_one_its_help_shows():
+    """A script that changes a field's default (data/train_default_summarize, bench/train_precision)
+    shows that default, not the field's own "(default: ...)" sentence."""
+    from longdoc.model.train_config import add_train_arguments
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p, only=("max_length",), defaults={"max_length": 768})
+    text = " ".join(p.format_help().split())
+    assert "(default: 768)" in text and "max_position_embeddings" not in text
+    assert p.parse_args([]).max_length == 768

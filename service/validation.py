@@ -319,6 +319,19 @@ def validate_summarize(body: SummarizeRequest, header_timeout: str | None, limit
                         body.no_repeat_ngram_size, body.stream)
 
 
+def summarize_search(job: SummarizeJob, info):
+    """The request's search settings over the model's generation defaults (what OnnxModel.generate
+    uses), its new tokens checked against the model's cap (`info`: the model's ModelInfo): the
+    one check of a summarize request that needs the model, here with the others."""
+    from longdoc.model.search import resolve_settings
+
+    max_new = job.max_new_tokens or min(128, info.max_new_tokens)
+    if max_new > info.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens {max_new} exceeds this model's {info.max_new_tokens}")
+    return resolve_settings(info.generation, max_new_tokens=max_new, num_beams=job.num_beams,
+                            length_penalty=job.length_penalty, no_repeat_ngram_size=job.no_repeat_ngram_size)
+
+
 def validate_classify(body: ClassifyRequest, header_timeout: str | None, limits: Limits,
                    arrived: float | None = None) -> ClassifyJob:
     return ClassifyJob(_common(body, header_timeout, limits, arrived), body.top_k)

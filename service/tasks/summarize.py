@@ -11,13 +11,14 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from longdoc.model.search import resolve_settings
 from longdoc.model.tokenization import SummaryStream, summary_text
 from longdoc.service import host as H
 from longdoc.service.batcher import RequestState
 from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, ServedModel, Service, Timing, arrived
-from longdoc.service.errors import InvalidRequest, ServiceError, ShuttingDown
-from longdoc.service.validation import SSE_EVENT_SCHEMA, SummarizeRequest, SummarizeResponse, validate_summarize
+from longdoc.service.errors import ServiceError, ShuttingDown
+from longdoc.service.validation import (
+    SSE_EVENT_SCHEMA, SummarizeRequest, SummarizeResponse, summarize_search, validate_summarize,
+)
 
 router = APIRouter()
 
@@ -32,12 +33,7 @@ async def summarize(body: SummarizeRequest, request: Request):
     service: Service = request.app.state.service
     job = validate_summarize(body, request.headers.get("x-request-timeout"), service.limits, arrived(request))
     model = service.model_for("summarize", job.common.model)
-    max_new = job.max_new_tokens or min(128, model.info.max_new_tokens)
-    if max_new > model.info.max_new_tokens:
-        raise InvalidRequest(f"max_new_tokens {max_new} exceeds this model's {model.info.max_new_tokens}")
-    # the request's settings over the model's generation defaults: what OnnxModel.generate uses
-    search = resolve_settings(model.info.generation, max_new_tokens=max_new, num_beams=job.num_beams,
-                              length_penalty=job.length_penalty, no_repeat_ngram_size=job.no_repeat_ngram_size)
+    search = summarize_search(job, model.info)
     tok = model.info.tokenizer
 
     async def work(state: RequestState, timing: Timing):

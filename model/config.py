@@ -78,18 +78,14 @@ class HFConfig:
         return d
 
 
-@dataclass
-class Seq2SeqConfig:
-    """`config.json` <-> dataclass for the BART-style encoder-decoders (BigBird-Pegasus, LED):
-    transformers' aliases (`ALIASES`, its attribute_map) read under the field's name; `to_dict`
-    leaves unset (None) options out. Subclasses (dataclasses) add their architecture's fields and
-    set `model_type`, `ARCHITECTURE` and `ALIASES`; the generation defaults some checkpoints
-    carry, and the keys not modelled (`extra`, written back by `to_dict`), are here once."""
+@dataclass(kw_only=True)
+class GenerationDefaults:
+    """The generation defaults some checkpoints carry at their config's top level (None = not
+    set; transformers' names), and the keys a config class does not model (`extra`, written back by
+    `to_dict`): declared once for the encoder-decoders (Seq2SeqConfig's BigBird-Pegasus and LED,
+    and the BERT2BERT EncoderDecoderConfig). Keyword-only, so that a subclass's own fields may come
+    without defaults."""
 
-    model_type = ""  # class attributes, not fields
-    ARCHITECTURE = ""  # the architecture written to config.json
-    ALIASES: ClassVar[dict[str, str]] = {}
-    # generation defaults some checkpoints carry (None = not set)
     max_length: int | None = None
     min_length: int | None = None
     num_beams: int | None = None
@@ -99,6 +95,22 @@ class Seq2SeqConfig:
     forced_eos_token_id: int | list[int] | None = None
     forced_bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.eos_token_id)
+
+
+@dataclass
+class Seq2SeqConfig(GenerationDefaults):
+    """`config.json` <-> dataclass for the BART-style encoder-decoders (BigBird-Pegasus, LED):
+    transformers' aliases (`ALIASES`, its attribute_map) read under the field's name; `to_dict`
+    leaves unset (None) options out. Subclasses (dataclasses) add their architecture's fields and
+    set `model_type`, `ARCHITECTURE` and `ALIASES`."""
+
+    model_type = ""  # class attributes, not fields
+    ARCHITECTURE = ""  # the architecture written to config.json
+    ALIASES: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
@@ -122,7 +134,3 @@ class Seq2SeqConfig:
         d.update(extra)
         d["model_type"] = self.model_type
         return d
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return eos_token_ids(self.eos_token_id)

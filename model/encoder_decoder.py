@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longdoc.model.activations import check_activation
-from longdoc.model.config import eos_token_ids
+from longdoc.model.config import GenerationDefaults
 from longdoc.model.bigbird import (BigBirdConfig, BigBirdEmbeddings, BigBirdIntermediate, BigBirdModel,
                                    BigBirdOnlyMLMHead, BigBirdOutput, BigBirdSelfOutput, HFConfig, init_weights)
 from longdoc.model.pegasus import EncoderOutput, Seq2SeqLM, Seq2SeqLMOutput, shift_tokens_right, teacher_forced
@@ -149,7 +149,7 @@ class BertDecoderConfig(HFConfig):
 
 
 @dataclass
-class EncoderDecoderConfig:
+class EncoderDecoderConfig(GenerationDefaults):
     """A `config.json` with model_type "encoder-decoder": the encoder's and the decoder's configs
     nested, the special tokens and generation defaults at the top (transformers reads them there)."""
 
@@ -160,14 +160,6 @@ class EncoderDecoderConfig:
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
     tie_encoder_decoder: bool = False
-    max_length: int | None = None
-    min_length: int | None = None
-    num_beams: int | None = None
-    length_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    early_stopping: bool | str | None = None
-    forced_eos_token_id: int | list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "encoder-decoder"
 
@@ -199,10 +191,6 @@ class EncoderDecoderConfig:
         d.update(encoder=self.encoder.to_dict(), decoder=self.decoder.to_dict(), model_type=self.model_type,
                  is_encoder_decoder=True)
         return d
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return eos_token_ids(self.eos_token_id)
 
 
 def attention_spec_from_config(config: EncoderDecoderConfig, plan: str = "hf-train"):

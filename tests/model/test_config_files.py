@@ -30,3 +30,22 @@ def test_a_missing_optional_file_is_its_default(tmp_path):
     assert read_json_object(tmp_path / "special_tokens_map.json", missing={}) == {}
     with pytest.raises(ValueError, match="no such file"):
         read_json_object(tmp_path / "config.json")
+
+
+def test_the_encoder_decoders_read_the_same_generation_defaults():
+    """BigBird-Pegasus, LED and the BERT2BERT config read one list of generation defaults
+    (`GenerationDefaults`): forced_bos_token_id, which the BERT2BERT config kept in `extra` and so
+    never passed to the search, is read by all three and written back as it came."""
+    from longdoc.model.encoder_decoder import EncoderDecoderConfig
+    from longdoc.model.led import LEDConfig
+    from longdoc.model.pegasus import BigBirdPegasusConfig
+
+    b2b = EncoderDecoderConfig.from_dict({
+        "model_type": "encoder-decoder", "forced_bos_token_id": 7, "num_beams": 3, "unknown_key": 1,
+        "encoder": {"model_type": "big_bird", "hidden_size": 32, "num_attention_heads": 2},
+        "decoder": {"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2}})
+    for cfg in (b2b, LEDConfig.from_dict({"forced_bos_token_id": 7, "num_beams": 3}),
+                BigBirdPegasusConfig.from_dict({"forced_bos_token_id": 7, "num_beams": 3})):
+        assert (cfg.forced_bos_token_id, cfg.num_beams) == (7, 3)
+        assert cfg.to_dict()["forced_bos_token_id"] == 7
+    assert b2b.extra == {"unknown_key": 1} and b2b.to_dict()["unknown_key"] == 1

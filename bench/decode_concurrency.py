@@ -30,15 +30,14 @@ from pathlib import Path
 
 import httpx
 
+from common import log
+
 import load  # bench/load.py (the script's folder): start_server, make_document
 
 SHAPE = dict(d_model=512, encoder_layers=2, decoder_layers=4, encoder_attention_heads=8, decoder_attention_heads=8,
              encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=4096, block_size=64,
              num_random_blocks=3, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def make_model(work: Path) -> Path:

@@ -37,13 +37,12 @@ import sys
 import time
 from pathlib import Path
 
+from common import log
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "hf", "service", "pegasus", "summarize")
 H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def child(phase: str, **kwargs) -> dict:

@@ -39,6 +39,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from common import cpu_name
+
 QUESTION = "where is the gold"
 DEFAULT_MODES = ("threads=--host-processes 0", "pool=")
 
@@ -367,22 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     print(f"\nmedians of {args.repeat} round(s):\n" + markdown_table(summary))
     if args.out:
-        args.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]), "cpu": _cpu_name(),
+        args.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]), "cpu": cpu_name(),
                                         "cpus": os.cpu_count(), "summary": summary, "results": results},
                                        indent=2) + "\n")
     if args.plot:
         plot(summary, args.plot)
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

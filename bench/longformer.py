@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import log, status_gib
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours-fp32", "ours-int8", "full-fp32", "full-int8", "transformers")
 # system -> (export directory under --work, export_model's attention, dtype)
@@ -46,15 +48,6 @@ EXPORTS = {"ours-fp32": ("fp32", "sparse", "fp32"), "ours-int8": ("int8", "spars
 QUESTION_TOKENS = 32
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _rss_gib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def make_checkpoint(directory: Path, positions: int, config: str) -> None:
@@ -114,12 +107,12 @@ def measure(system: str, work: Path, S: int, threads: int) -> dict:
         def run():
             return model.run_encoder(ids, mask, **extra)["start_logits"]
 
-    loaded = _rss_gib("VmRSS")
+    loaded = status_gib("VmRSS")
     run()  # warm-up
     t0 = time.perf_counter()
     out = run()
     seconds = time.perf_counter() - t0
-    return {"system": system, "seconds": seconds, "peak_gib": _rss_gib("VmHWM"), "act_gib": _rss_gib("VmHWM") - loaded,
+    return {"system": system, "seconds": seconds, "peak_gib": status_gib("VmHWM"), "act_gib": status_gib("VmHWM") - loaded,
             "start_logits_head": [float(x) for x in out[0, QUESTION_TOKENS:QUESTION_TOKENS + 4]]}
 
 

@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import cpu_name, log, status_gib
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-eager", "hf-sdpa", "hf-onnx")
 # system -> (dtype, int8 attention); the export directory is the system's name
@@ -56,15 +58,6 @@ DEFAULT_LENGTHS = "2048,4096,8192"
 QUICK_LENGTHS = "64,128"
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _status_gib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 # --- preparation (parent process) --------------------------------------------------------------
@@ -179,7 +172,7 @@ def measure(system: str, work: Path, S: int, threads: int) -> dict:
             out = model.run_encoder(ids, mask)
             return out["start_logits"], out["end_logits"]
 
-    loaded = _status_gib("VmRSS")
+    loaded = status_gib("VmRSS")
     run()  # warm-up
     t0 = time.perf_counter()
     start, end = run()
@@ -187,7 +180,7 @@ def measure(system: str, work: Path, S: int, threads: int) -> dict:
     (work / "logits").mkdir(exist_ok=True)
     np.save(work / "logits" / f"{system}-{S}.npy", np.stack([np.asarray(start, np.float32).reshape(-1),
                                                              np.asarray(end, np.float32).reshape(-1)]))
-    peak = _status_gib("VmHWM")
+    peak = status_gib("VmHWM")
     return {"system": system, "seconds": seconds, "peak_gib": peak, "act_gib": peak - loaded}
 
 
@@ -423,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": ".venv/bin/python bench/modernbert.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": cpu_name(),
                     "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "config": config, "lengths": lengths, "reps": {str(n): r for n, r in reps_at.items()}, "threads": a.threads, "reference": REFERENCE,
@@ -448,15 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {json_path} and {png_path}")
     return 0
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import log
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "bigbird-base": {"kind": "big_bird", "config": {}, "tasks": ("qa", "classify")},
@@ -41,9 +43,6 @@ MODELS = {
 HF_CLASSES = {"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
               "summarize": "BigBirdPegasusForConditionalGeneration"}
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def peak_rss_gib(pid: int | str = "self") -> float:

@@ -5,7 +5,6 @@ docs/modernbert.json (a figure cannot outlive its measurement)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,15 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "modernbert.py"
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("bench_modernbert", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("modernbert")
 
 
 @pytest.fixture(scope="module")

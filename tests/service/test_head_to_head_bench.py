@@ -1,27 +1,18 @@
 """bench/head_to_head.py and bench/hf_pipeline_app.py: the parts whose mistakes would make the
 head-to-head compare different things (windows, span choice, answer comparison), not timings."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
-    """bench/NAME.py as a module. A bench script imports its siblings (load, real_size) from its own
-    folder, which is on sys.path when it runs as a script: here only while it loads."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+    return load_bench(name)
 
 
 h2h = _load("head_to_head")

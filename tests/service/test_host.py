@@ -176,10 +176,8 @@ def test_host_path_bench_runs(tmp_path):
 
 
 def test_the_host_path_table_in_the_docs_is_the_results_file():
-    import importlib.util
+    from tests.bench_scripts import load_bench
 
-    spec = importlib.util.spec_from_file_location("bench_host_path", ROOT / "bench" / "host_path.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("host_path")
     summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
     assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()

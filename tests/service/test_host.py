@@ -181,3 +181,15 @@ def test_the_host_path_table_in_the_docs_is_the_results_file():
     bench = load_bench("host_path")
     summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
     assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()
+
+
+def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
+    """docs/service.md's interleaved comparison of the pool driven by the event loop against the
+    executor it replaced states each round's event-loop CPU per document and docs/s as the
+    results files (docs/host_path_ab/) hold them."""
+    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
+    for version in ("new", "old"):
+        rounds = [json.loads((ROOT / "docs" / "host_path_ab" / f"pool-{version}-round{i}.json").read_text())
+                  ["summary"][0] for i in (1, 2, 3)]
+        assert " / ".join(f"{r['loop_cpu_ms_per_doc']:.1f}" for r in rounds) in text, version
+        assert " / ".join(f"{r['docs_per_s']:.1f}" for r in rounds) in text, version

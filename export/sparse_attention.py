@@ -190,10 +190,25 @@ def merge_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
     return g.op("Reshape", [x, g.const([0, 0, ctx.num_heads * ctx.head_dim])])
 
 
-def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float, int8: str = "off") -> str:
+def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float, int8: str = "off",
+                    fold_key_bias: bool = False) -> str:
     """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
-    to (B,H,T,S); int8: INT8_ATTENTION."""
+    to (B,H,T,S); int8: INT8_ATTENTION.
+
+    fold_key_bias (bias a key bias (B, 1, 1, S), float products): the bias rides in the product
+    as one more column, q' = [q * scale, 1] and k' = [k, bias], so q' k'^T = q k^T * scale + bias
+    without an Add over the (B, H, T, S) scores: at 8192 tokens that Add was a quarter of a
+    ModernBERT full layer's attention time (docs/modernbert.md). For an encoder's own queries
+    (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add."""
     q = g.op("Mul", [q, g.fconst(scale)])
+    if fold_key_bias and int8 == "off":
+        rows = g.op("Concat", [g.op("Shape", [q], end=3), g.const([1])], axis=0)  # (4,): B, H, T, 1
+        q = g.op("Concat", [q, g.op("Expand", [g.fconst(1.0), rows])], axis=-1)  # (B, H, T, D+1)
+        keys = g.op("Concat", [g.op("Shape", [k], end=3), g.const([1])], axis=0)  # (4,): B, H, S, 1
+        column = g.op("Expand", [g.op("Transpose", [bias], perm=[0, 1, 3, 2]), keys])  # (B, H, S, 1)
+        k = g.op("Concat", [k, column], axis=-1)  # (B, H, S, D+1)
+        probs = g.op("Softmax", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])], axis=-1)
+        return g.op("MatMul", [probs, v])  # (B, H, T, D)
     if int8 != "off":
         k, v = quantize_right(g, k, int8), quantize_right(g, v, int8)
     scores = matmul(g, q, transpose_right(g, k, [0, 1, 3, 2]))  # (B, H, T, S)
@@ -305,7 +320,8 @@ def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         # full attention (original_full checkpoints): the (B, h, S, S) scores, their masked copy
         # and the probabilities exist for one head group at a time, which is what lets a
         # BigBird-base full-attention graph run at 16384 tokens in 24 GiB (all 12 heads: 24.6 GiB)
-        outs = [dense_attention(g, *_heads(g, (q, k, v), h0, h1, len(groups)), ctx.key_bias, scale, ctx.int8)
+        outs = [dense_attention(g, *_heads(g, (q, k, v), h0, h1, len(groups)), ctx.key_bias, scale, ctx.int8,
+                                fold_key_bias=True)
                 for h0, h1 in groups]
         return merge_heads(g, outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1), ctx)
 
@@ -338,7 +354,8 @@ def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         return out
     # each global token's own row attends to every key with the global projections
     qg, kg, vg = (split_heads(g, t, ctx) for t in global_qkv)  # (B, H, G, D), (B, H, S, D) x2
-    rows = merge_heads(g, dense_attention(g, qg, kg, vg, ctx.key_bias, scale), ctx)  # (B, G, H*D)
+    rows = dense_attention(g, qg, kg, vg, ctx.key_bias, scale, fold_key_bias=True)  # (B, H, G, D)
+    rows = merge_heads(g, rows, ctx)  # (B, G, H*D)
     at_position = g.op("GatherElements", [rows, g.op("Expand", [g.op("Unsqueeze", [tokens.slot, g.const([2])]),
                                                                 g.op("Shape", [out])])], axis=1)  # (B, S, H*D)
     return g.op("Where", [tokens.is_global, at_position, out])

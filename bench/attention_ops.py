@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -115,6 +116,18 @@ def inputs(S: int, h: int) -> dict[str, np.ndarray]:
             "qb": bsd(q), "kb": bsd(k), "vb": bsd(v)}
 
 
+def markdown_table(results: dict) -> str:
+    """The table docs/modernbert.md shows, from a results file."""
+    best, diff = results["best_s"], results["max_diff_vs_layer_folded"]
+    lines = [f"| variant | best of {results['reps']} s | vs layer-folded | max \\|diff\\| vs layer-folded |",
+             "|---|---|---|---|"]
+    for name, t in best.items():
+        lines.append(f"| {name} | {t:.3f} | {t / best['layer-folded']:.2f}x | "
+                     f"{f'{diff[name]:.1e}' if name in diff else ''} |")
+    lines += [f"| {name} | failed: {why} | | |" for name, why in results["failed"].items()]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--length", type=int, default=8192, help="tokens S (default: 8192)")
@@ -155,21 +168,16 @@ def main(argv=None) -> int:
     if "mha" in outs:
         outs["mha"] = outs["mha"].reshape(1, a.length, a.heads, D).transpose(0, 2, 1, 3)
     diff = {n: float(np.abs(o - outs["layer-folded"]).max()) for n, o in outs.items()}
-    print(f"| variant | best of {a.reps} s | vs layer-folded | max \\|diff\\| vs layer-folded |")
-    print("|---|---|---|---|")
-    for name, t in best.items():
-        print(f"| {name} | {t:.3f} | {t / best['layer-folded']:.2f}x | "
-              f"{f'{diff[name]:.1e}' if name in diff else ''} |")
-    for name, why in failed.items():
-        print(f"| {name} | failed: {why} | | |")
+    results = {"command": ".venv/bin/python bench/attention_ops.py " + " ".join(
+                   argv if argv is not None else sys.argv[1:]),
+               "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
+               "onnxruntime": ort.__version__, "length": a.length, "heads": a.heads, "threads": a.threads,
+               "reps": a.reps, "loadavg_before": [round(x, 2) for x in load_before],
+               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+               "seconds": times, "best_s": best, "max_diff_vs_layer_folded": diff, "failed": failed}
+    print(markdown_table(results))
     if a.json:
-        a.json.write_text(json.dumps({
-            "command": "bench/attention_ops.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
-            "onnxruntime": ort.__version__, "length": a.length, "heads": a.heads, "threads": a.threads,
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "seconds": times, "best_s": best, "max_diff_vs_layer_folded": diff, "failed": failed}, indent=1) + "\n")
+        a.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -18,19 +18,22 @@ Every phase runs in its own process (peak RSS = that process's VmHWM). Progress 
 the table to stdout and, with --out, to a JSON file.
 
     .venv/bin/python bench/real_size.py --work /tmp/longdoc-real --threads 2 --out docs/real_size.json
+
+writes docs/real_size.json: the command, the machine and the results (docs/real_size.md's tables).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import log
+from common import cpu_name, log
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -267,13 +270,19 @@ def main() -> int:
         for spec in MODELS.values():
             spec["config"] = tiny[spec["kind"]]
     args.work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S %z"), os.getloadavg()
     results = run(args.work, names, args.threads, args.new_tokens)
     print(table(results))
     print(f"\n{len(results)} checkpoints in {(time.perf_counter() - start) / 60:.0f} min, "
           f"threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.out:  # docs/real_size.md's tables are `table` of this file's "results" (tests/test_readme_figures.py)
+        args.out.write_text(json.dumps({
+            "command": ".venv/bin/python bench/real_size.py " + " ".join(sys.argv[1:]),
+            "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "machine": {"cpus": os.cpu_count(), "processor": cpu_name(),
+                        "loadavg_before": [round(x, 2) for x in load_before],
+                        "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+            "results": results}, indent=2) + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The README's speed figures are read from the results files of the benchmarks that measured them
-(docs/bench_export.json: bench/bench_export.py; docs/head_to_head.json: bench/head_to_head.py), so
-a figure cannot outlive its run (issue 26)."""
+(docs/bench_export.json: bench/bench_export.py; docs/head_to_head.json: bench/head_to_head.py;
+docs/real_size.json: bench/real_size.py), so a figure cannot outlive its run (issue 26)."""
 
 import json
 from pathlib import Path
@@ -42,3 +42,17 @@ def test_head_to_head_figures_are_its_results_file():
     assert f"fp32 {span('ours-fp32')}" in TEXT
     memory = f"{results['ours-int8']['peak_rss_gib']:.2f} GiB against {results['hf-torch']['peak_rss_gib']:.2f} GiB"
     assert memory in TEXT, memory
+
+
+def test_real_size_figures_are_its_results_file():
+    """docs/real_size.md's tables are bench/real_size.py's `table` of docs/real_size.json, and the
+    README's generation figure is that file's bigbird-pegasus-large greedy row."""
+    from tests.bench_scripts import load_bench
+
+    run = json.loads((ROOT / "docs" / "real_size.json").read_text())
+    doc = (ROOT / "docs" / "real_size.md").read_text()
+    assert load_bench("real_size").table(run["results"]) in doc and run["command"] in doc
+    generate = run["results"]["pegasus-large-summarize"]["generate"]
+    ours, theirs = generate["ours_beam1_s_per_token"], generate["transformers_beam1_s_per_token"]
+    figure = f"generates a token in {1000 * ours:.0f} ms greedy, {theirs / ours:.1f}x faster than transformers'"
+    assert figure in TEXT, figure

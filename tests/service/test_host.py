@@ -105,6 +105,44 @@ def test_a_pool_process_that_dies_mid_call_is_a_503_and_the_pool_is_replaced():
         pool.shutdown()
 
 
+def _echo(info, payload: bytes, tag: int) -> tuple[int, bytes]:
+    return tag, payload[::-1]
+
+
+def test_calls_larger_than_the_pipe_come_back_whole_and_in_order():
+    """Frames of several MB (the socket takes a fraction at a time: the rest waits in the loop's
+    buffer, and the reply arrives in many reads) interleaved with small ones, all in flight at once."""
+    pool = _pool()
+    info = FakeWorker(task="classify").info
+    big = [os.urandom(3_000_000 + i) for i in range(3)]
+    try:
+        async def go():
+            calls = []
+            for i, payload in enumerate([big[0], b"a", big[1], b"bc", big[2]]):
+                calls.append(pool.call(time.monotonic() + 60, "tokenization", _echo, info, payload, i))
+            return await asyncio.gather(*calls)
+
+        got = asyncio.run(go())
+        assert [tag for tag, _ in got] == [0, 1, 2, 3, 4]
+        assert [reply for _, reply in got] == [big[0][::-1], b"a", big[1][::-1], b"cb", big[2][::-1]]
+    finally:
+        pool.shutdown()
+
+
+def test_qa_arrays_cross_the_pipe_as_int32():
+    """prepare_qa's ids, types and offsets are int32: half the bytes the event loop reads from the
+    pool (the batcher widens them as it copies them into its int64 batch; the pooled answers above
+    are the in-process ones)."""
+    from longdoc.service.validation import Limits, QARequest, validate_qa
+
+    worker = FakeWorker(task="qa")
+    job = validate_qa(QARequest(question="where is the gold", document=LONG), None, Limits(100_000, 4, 60.0, 600.0))
+    (doc,) = H.prepare_qa(worker.info, job, None, 10_000)
+    assert {a.dtype.name for a in (*doc.input_ids, *doc.token_type_ids, doc.offsets)} == {"int32"}
+    enc = worker.info.tokenizer.encode(LONG, add_special_tokens=False)
+    assert doc.offsets.tolist() == [list(o) for o in enc.offsets]
+
+
 def test_the_deadline_holds_while_a_pool_process_works(tmp_path):
     fifo = tmp_path / "gate"
     os.mkfifo(fifo)

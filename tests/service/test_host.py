@@ -6,6 +6,7 @@ served. And bench/host_path.py (the host path's capacity with a null engine) run
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -226,8 +227,8 @@ def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
     executor it replaced states each round's event-loop CPU per document and docs/s as the
     results files (docs/host_path_ab/) hold them."""
     text = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    for version in ("new", "old"):
-        rounds = [json.loads((ROOT / "docs" / "host_path_ab" / f"pool-{version}-round{i}.json").read_text())
+    for comparison, version in itertools.product(("pool", "ipc"), ("new", "old")):  # ipc: the pipe changes
+        rounds = [json.loads((ROOT / "docs" / "host_path_ab" / f"{comparison}-{version}-round{i}.json").read_text())
                   ["summary"][0] for i in (1, 2, 3)]
-        assert " / ".join(f"{r['loop_cpu_ms_per_doc']:.1f}" for r in rounds) in text, version
-        assert " / ".join(f"{r['docs_per_s']:.1f}" for r in rounds) in text, version
+        assert " / ".join(f"{r['loop_cpu_ms_per_doc']:.1f}" for r in rounds) in text, (comparison, version)
+        assert " / ".join(f"{r['docs_per_s']:.1f}" for r in rounds) in text, (comparison, version)

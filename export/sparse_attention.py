@@ -190,6 +190,17 @@ def merge_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
     return g.op("Reshape", [x, g.const([0, 0, ctx.num_heads * ctx.head_dim])])
 
 
+def with_key_bias_column(g: GraphBuilder, q: str, k: str, key_bias: str) -> tuple[str, str]:
+    """q (B, h, T, D), k (B, h, S, D), key_bias (B, 1, 1, S) -> q' = [q, 1] (B, h, T, D+1) and
+    k' = [k, bias] (B, h, S, D+1), so that q' k'^T = q k^T + bias: the key-padding bias rides in the
+    scores' product instead of an Add over the scores (exact: the extra term is 0 for a real key)."""
+    rows = g.op("Concat", [g.op("Shape", [q], end=3), g.const([1])], axis=0)  # (4,): B, h, T, 1
+    keys = g.op("Concat", [g.op("Shape", [k], end=3), g.const([1])], axis=0)  # (4,): B, h, S, 1
+    column = g.op("Expand", [g.op("Transpose", [key_bias], perm=[0, 1, 3, 2]), keys])  # (B, h, S, 1)
+    return (g.op("Concat", [q, g.op("Expand", [g.fconst(1.0), rows])], axis=-1),
+            g.op("Concat", [k, column], axis=-1))
+
+
 def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float, int8: str = "off",
                     fold_key_bias: bool = False) -> str:
     """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
@@ -202,11 +213,7 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
     (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add."""
     q = g.op("Mul", [q, g.fconst(scale)])
     if fold_key_bias and int8 == "off":
-        rows = g.op("Concat", [g.op("Shape", [q], end=3), g.const([1])], axis=0)  # (4,): B, H, T, 1
-        q = g.op("Concat", [q, g.op("Expand", [g.fconst(1.0), rows])], axis=-1)  # (B, H, T, D+1)
-        keys = g.op("Concat", [g.op("Shape", [k], end=3), g.const([1])], axis=0)  # (4,): B, H, S, 1
-        column = g.op("Expand", [g.op("Transpose", [bias], perm=[0, 1, 3, 2]), keys])  # (B, H, S, 1)
-        k = g.op("Concat", [k, column], axis=-1)  # (B, H, S, D+1)
+        q, k = with_key_bias_column(g, q, k, bias)  # (B, H, T, D+1), (B, H, S, D+1)
         probs = g.op("Softmax", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])], axis=-1)
         return g.op("MatMul", [probs, v])  # (B, H, T, D)
     if int8 != "off":
@@ -309,7 +316,7 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
 
 def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int, ctx: AttentionContext,
                             global_qkv: tuple[str, str, str] | None) -> str:
-    bs, D = ctx.block_size, ctx.head_dim
+    D = ctx.head_dim
     scale = 1.0 / float(np.sqrt(D))
     tokens = ctx.global_tokens
     if tokens is not None:  # the global tokens' keys/values as extra slots of every sparse row
@@ -388,21 +395,40 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     head_offset (h, 1, 1); slots: the global tokens' keys and values (B, h, G, D); bias: the window's
     (`_window_bias`) when shared by every head, else built here -> (B, h, nb, bs, D)."""
     bs, D = ctx.block_size, ctx.head_dim
+    # BigBird's windows (no band, no per-request global tokens, float products): the window's bias
+    # rides in the scores' product, as in `dense_attention`. Each key carries its padding bias as a
+    # last feature (`with_key_bias_column`), and a table's padding slot gathers a block appended
+    # after the real ones whose bias is NEG_INF, so no element-wise op passes over the
+    # (B, h, nb, bs, K*bs) scores (the Add was 15% of the encoder's GPU time, docs/gpu.md)
+    fold = not ctx.band and slots is None and ctx.int8 == "off" and bias is None
+    Dk = D + 1 if fold else D  # the keys' (and queries') last axis
+    if fold:
+        q, k = with_key_bias_column(g, q, k, ctx.key_bias)  # (B, h, S, D+1)
     if ctx.int8 != "off":  # once per group, before any block is gathered (queries: at their products)
         k, v = quantize_right(g, k, ctx.int8), quantize_right(g, v, ctx.int8)
-    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, D])])  # (B, h, nb, bs, D)
-    k_flat = _map(g, k, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
+    qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, Dk])])  # (B, h, nb, bs, Dk)
+    k_flat = _map(g, k, "Reshape", [g.const([0, -1, bs, Dk])])  # (B, h*nb, bs, Dk)
     v_flat = _map(g, v, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
     flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
+    key_ids = flat_blocks
+    if fold:  # padding slots -> block h*nb: zero keys, bias NEG_INF (values: any block, its probability is 0)
+        masked = np.zeros((1, 1, bs, Dk), np.float32)
+        masked[..., -1] = NEG_INF
+        n_blocks = g.op("Shape", [k_flat], start=1, end=2)  # (1,) h*nb
+        masked = g.op("Expand", [g.fconst(masked), g.op("Concat", [g.op("Shape", [k_flat], end=1),
+                                                                     g.const([1, bs, Dk])], axis=0)])
+        k_flat = g.op("Concat", [k_flat, masked], axis=1)  # (B, h*nb + 1, bs, Dk)
+        key_ids = g.op("Where", [valid, flat_blocks, g.op("Squeeze", [n_blocks, g.const([0])])])
 
     # sparse rows: gathered keys/values, one batched MatMul per side
     # (node order matters for peak memory: the gathered values are made only after the softmax,
     # so the gathered keys, the scores and the gathered values are never all alive at once)
-    kg = _map(g, k_flat, "Gather", [flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
-    kg = _map(g, kg, "Reshape", [g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    kg = _map(g, k_flat, "Gather", [key_ids], axis=1)  # (B, h, nb, K, bs, Dk)
+    kg = _map(g, kg, "Reshape", [g.const([0, 0, 0, -1, Dk])])  # (B, h, nb, K*bs, Dk)
     scores = matmul(g, qb, transpose_right(g, kg, [0, 1, 2, 4, 3]))  # (B, h, nb, bs, K*bs)
 
-    scores = g.op("Add", [scores, _window_bias(g, key_blocks, valid, ctx) if bias is None else bias])
+    if not fold:
+        scores = g.op("Add", [scores, _window_bias(g, key_blocks, valid, ctx) if bias is None else bias])
     if slots is not None:  # G global key slots in front of the window's keys
         k_slots, v_slots = (g.op("Unsqueeze", [t, g.const([2])]) for t in slots)  # (B, h, 1, G, D)
         slot_scores = g.op("MatMul", [qb, g.op("Transpose", [k_slots], perm=[0, 1, 2, 4, 3])])  # (B,h,nb,bs,G)
@@ -422,10 +448,12 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
         return sparse_out
 
     # global rows: their query blocks attend to every key
-    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, D)
-    qg = g.op("Reshape", [qg, g.const([0, 0, -1, D])])  # (B, h, G*bs, D)
+    qg = g.op("Gather", [qb, "global_blocks"], axis=2)  # (B, h, G, bs, Dk)
+    qg = g.op("Reshape", [qg, g.const([0, 0, -1, Dk])])  # (B, h, G*bs, Dk)
     g_scores = matmul(g, qg, transpose_right(g, k, [0, 1, 3, 2]))  # (B, h, G*bs, S)
-    g_probs = quantize_probs(g, g.op("Softmax", [g.op("Add", [g_scores, ctx.key_bias])], axis=-1), ctx.int8)
+    if not fold:  # folded: k's last feature is the key bias
+        g_scores = g.op("Add", [g_scores, ctx.key_bias])
+    g_probs = quantize_probs(g, g.op("Softmax", [g_scores], axis=-1), ctx.int8)
     global_out = g.op("Reshape", [matmul(g, g_probs, v), g.const([0, 0, -1, bs, D])])  # (B,h,G,bs,D)
 
     both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, h, nb+G, bs, D)

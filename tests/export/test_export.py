@@ -130,6 +130,35 @@ def test_one_graph_serves_every_length(qa_model):
     assert {key[1] for key in qa_model._layouts} == {"full", "block_sparse"}
 
 
+def test_sparse_scores_are_written_once(qa_model):
+    """BigBird's block-sparse layers: the window bias (padded keys, the table's padding slots) rides
+    in the scores' products: no element-wise op passes over the scores the MatMuls write (the Add
+    was 15% of the encoder's GPU time, docs/gpu.md); gathers and reshapes of keys that large remain."""
+    import onnxruntime as ort
+
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(qa_model.model_dir / "encoder.onnx")))
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.graph.value_info}
+    probes = {node.output[0]: (node.name.split("/")[0], node.op_type) for node in graph.graph.node
+              if "/attn/" in node.name and node.output[0] in types}
+    graph.graph.output.extend(helper.make_tensor_value_info(name, types[name], None) for name in probes)
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    S = 300  # block-sparse (the tiny model's full-attention switch is below)
+    ids = rng.integers(7, 300, (2, S))
+    mask = np.ones_like(ids)
+    mask[1, 200:] = 0  # a padded row: the bias is not all zeros
+    feed, _ = qa_model._encoder_feed(ids, mask)
+    assert qa_model._layouts and {key[1] for key in qa_model._layouts} >= {"block_sparse"}
+    sizes: dict = {}
+    for (layer, op), value in zip(probes.values(), session.run(list(probes), feed)):
+        sizes.setdefault(layer, []).append((value.size, op))
+    assert len(sizes) >= 2
+    for layer, found in sizes.items():
+        largest = max(size for size, op in found if op == "MatMul")
+        elementwise = {op for size, op in found if size >= largest} & {"Add", "Sub", "Mul", "Div", "Where", "Cast"}
+        assert not elementwise, (layer, sorted(found)[-6:])
+
+
 @pytest.mark.parametrize("S", [100, 300])  # full attention and block-sparse
 def test_mixed_length_batch_equals_rows_run_alone(qa_model, S):
     rng = np.random.default_rng(S)

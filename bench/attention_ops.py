@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from common import cpu_name, log
+from common import command_line, cpu_name, loadavg, log
 
 D = 64
 
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(f"{name}: {failed[name]}")
     times: dict[str, list[float]] = {n: [] for n in sessions}
-    load_before = os.getloadavg()
+    load_before = loadavg()
     for r in range(a.reps):
         for name, (s, names) in sessions.items():
             feed = {n: feeds[n] for n in names}
@@ -168,12 +167,11 @@ def main(argv=None) -> int:
     if "mha" in outs:
         outs["mha"] = outs["mha"].reshape(1, a.length, a.heads, D).transpose(0, 2, 1, 3)
     diff = {n: float(np.abs(o - outs["layer-folded"]).max()) for n, o in outs.items()}
-    results = {"command": ".venv/bin/python bench/attention_ops.py " + " ".join(
-                   argv if argv is not None else sys.argv[1:]),
+    results = {"command": command_line("attention_ops.py", argv),
                "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
                "onnxruntime": ort.__version__, "length": a.length, "heads": a.heads, "threads": a.threads,
-               "reps": a.reps, "loadavg_before": [round(x, 2) for x in load_before],
-               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+               "reps": a.reps, "loadavg_before": load_before,
+               "loadavg_after": loadavg(),
                "seconds": times, "best_s": best, "max_diff_vs_layer_folded": diff, "failed": failed}
     print(markdown_table(results))
     if a.json:

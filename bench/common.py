@@ -1,8 +1,10 @@
 """What the benchmark scripts share (imported as a sibling, like `load`): a timestamped log line,
-this process's memory from /proc, and the CPU's name for a results file."""
+this process's memory from /proc, the CPU's name, the command line and load average a results file
+records, and the axes of a latency/memory-against-length plot."""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -29,3 +31,25 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command a results file records: `.venv/bin/python bench/SCRIPT ARGS` (argv: main's
+    arguments when called from a test, else this process's)."""
+    return f".venv/bin/python bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded as the results files keep them."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def length_axes(axes) -> None:
+    """(latency, peak memory) axes against the length in tokens: log-log, titled, gridded."""
+    for ax, title in zip(axes, ("latency, batch 1 (s)", "peak RSS (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()

@@ -19,13 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from common import cpu_name, log
+from common import command_line, cpu_name, loadavg, log
 
 
 def main(argv=None) -> int:
@@ -50,7 +49,7 @@ def main(argv=None) -> int:
     diff = {name: float(np.abs(np.asarray(outputs["a"][name], np.float64)
                                - np.asarray(outputs["b"][name], np.float64)).max()) for name in outputs["a"]}
     times: dict[str, list[float]] = {"a": [], "b": []}
-    load_before = os.getloadavg()
+    load_before = loadavg()
     for r in range(a.rounds):
         for k in ("a", "b") if r % 2 == 0 else ("b", "a"):
             t0 = time.perf_counter()
@@ -59,9 +58,9 @@ def main(argv=None) -> int:
         log(f"round {r + 1}/{a.rounds}: A {times['a'][-1]:.3f} s, B {times['b'][-1]:.3f} s")
     med = {k: statistics.median(v) for k, v in times.items()}
     results = {
-        "command": ".venv/bin/python bench/graph_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("graph_ab.py", argv),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
-        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_before": load_before, "loadavg_after": loadavg(),
         "a": str(a.a), "b": str(a.b), "length": a.length, "batch": a.batch, "threads": a.threads,
         "seconds": times, "median_s": med, "b_over_a": med["b"] / med["a"], "max_abs_diff": diff}
     print(f"A {a.a}: median {med['a']:.3f} s; B {a.b}: median {med['b']:.3f} s; B / A = {med['b'] / med['a']:.3f}")

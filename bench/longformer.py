@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import log, status_gib
+from common import length_axes, log, status_gib
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours-fp32", "ours-int8", "full-fp32", "full-int8", "transformers")
@@ -259,13 +259,7 @@ def plot(work: Path, png: Path) -> None:
         lengths = [n for n, _ in points]
         axes[0].plot(lengths, [v["seconds"] for _, v in points], "o-", label=system)
         axes[1].plot(lengths, [v["peak_gib"] for _, v in points], "o-", label=system)
-    for ax, title in zip(axes, ("latency, batch 1 (s)", "peak RSS (GiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    length_axes(axes)
     fig.suptitle(f"Longformer-base QA on CPU ({runs[0]['threads']} threads): block-sparse export vs full attention "
                  "vs transformers")
     fig.tight_layout()

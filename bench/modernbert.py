@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cpu_name, log, status_gib
+from common import command_line, cpu_name, length_axes, loadavg, log, status_gib
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-eager", "hf-sdpa", "hf-onnx")
@@ -289,13 +289,7 @@ def plot(results: dict, png: Path) -> None:
             continue
         axes[0].plot([n for n, _ in points], [v["seconds"] for _, v in points], "o-", label=system)
         axes[1].plot([n for n, _ in points], [v["peak_gib"] for _, v in points], "o-", label=system)
-    for ax, title in zip(axes, ("latency, batch 1 (s)", "peak RSS (GiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    length_axes(axes)
     fig.suptitle(f"ModernBERT{'-base' if results['config'] == 'base' else ' (tiny)'} QA on CPU "
                  f"({results['threads']} threads): our export vs transformers")
     fig.tight_layout()
@@ -399,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {onnx_status}")
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
-    load_before = os.getloadavg()
+    load_before = loadavg()
     rounds: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in lengths} for s in a.systems}
     for n in lengths:
         for rep in range(reps_at[n]):
@@ -414,11 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"failed ({r['failed']})" if "failed" in r else f"{r['seconds']:.2f} s, peak {r['peak_gib']:.2f} GiB"))
                 rounds[system][n].append(r)
     results = {
-        "command": ".venv/bin/python bench/modernbert.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("modernbert.py", argv),
         "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": cpu_name(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+                    "loadavg_before": load_before,
+                    "loadavg_after": loadavg()},
         "config": config, "lengths": lengths, "reps": {str(n): r for n, r in reps_at.items()}, "threads": a.threads, "reference": REFERENCE,
         "hf_onnx_export": onnx_status,
         "systems": {s: {str(n): summarize(rounds[s][n]) for n in lengths} for s in a.systems},

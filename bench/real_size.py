@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cpu_name, log
+from common import command_line, cpu_name, loadavg, log
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -270,18 +270,18 @@ def main() -> int:
         for spec in MODELS.values():
             spec["config"] = tiny[spec["kind"]]
     args.work.mkdir(parents=True, exist_ok=True)
-    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S %z"), os.getloadavg()
+    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S %z"), loadavg()
     results = run(args.work, names, args.threads, args.new_tokens)
     print(table(results))
     print(f"\n{len(results)} checkpoints in {(time.perf_counter() - start) / 60:.0f} min, "
           f"threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}")
     if args.out:  # docs/real_size.md's tables are `table` of this file's "results" (tests/test_readme_figures.py)
         args.out.write_text(json.dumps({
-            "command": ".venv/bin/python bench/real_size.py " + " ".join(sys.argv[1:]),
+            "command": command_line("real_size.py"),
             "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "machine": {"cpus": os.cpu_count(), "processor": cpu_name(),
-                        "loadavg_before": [round(x, 2) for x in load_before],
-                        "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+                        "loadavg_before": load_before,
+                        "loadavg_after": loadavg()},
             "results": results}, indent=2) + "\n")
     return 0
 

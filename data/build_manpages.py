@@ -325,8 +325,11 @@ def summary_pair(page: Page) -> dict | None:
     return {"id": page.name, "document": document, "summary": summary, "page": page.name}
 
 
-def first_sentence(text: str, start: int) -> tuple[int, int] | None:
-    """[start, end) of the sentence that begins at `start` (within its paragraph line)."""
+def sentence_span(text: str, start: int) -> tuple[int, int] | None:
+    """[start, end) of the sentence that begins at `start`, within its rendered paragraph line: an
+    answer's exact character span in the page. Not the lead baselines' `first_sentence`
+    (export/evaluate.py), which joins a section's lines first and so cannot see groff's two-space
+    sentence gap that SENTENCE_END relies on here to pass over abbreviations ("e.g. ")."""
     line_end = text.find("\n", start)
     line_end = len(text) if line_end < 0 else line_end
     m = SENTENCE_END.search(text, start, line_end)
@@ -371,7 +374,7 @@ def qa_pairs(page: Page) -> list[dict]:
         if len(hits) != 1:
             continue
         desc_start, _ = hits[0]
-        span = first_sentence(text, desc_start)
+        span = sentence_span(text, desc_start)
         if span is None:
             continue
         s, e = span

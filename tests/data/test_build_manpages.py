@@ -57,9 +57,9 @@ def test_qa_pairs_are_exact_spans_of_first_sentences():
     assert pairs["ENOFROB"]["question"] == "What does the error ENOFROB mean?"
 
 
-def test_first_sentence_does_not_stop_at_abbreviations():
+def test_sentence_span_does_not_stop_at_abbreviations():
     text = "       Do it (e.g., twice) again.  More.\n"
-    s, e = B.first_sentence(text, 7)
+    s, e = B.sentence_span(text, 7)
     assert text[s:e] == "Do it (e.g., twice) again."
 
 

@@ -64,6 +64,10 @@ from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.manifest import INT8_ATTENTION
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
+# full attention over a whole sequence runs its queries in at most this many row chunks of at least
+# QUERY_CHUNK_ROWS rows each (`dense_attention`, docs/export.md "Query chunks")
+QUERY_CHUNKS = 32
+QUERY_CHUNK_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,18 @@ def with_key_bias_column(g: GraphBuilder, q: str, k: str, key_bias: str) -> tupl
             g.op("Concat", [k, column], axis=-1))
 
 
+def query_chunk_sizes(g: GraphBuilder, q: str, chunks: int, min_rows: int) -> str:
+    """(chunks,) int64 row counts that split q's T rows (axis 2) in order: c = max(min_rows,
+    ceil(T / chunks)) rows per chunk, the last non-empty one shorter, the rest 0. One graph for
+    every length: a short input has a few chunks and many empty ones."""
+    T = g.op("Gather", [g.op("Shape", [q]), g.const(2)], axis=0)  # scalar
+    per = g.op("Max", [g.op("Div", [g.op("Add", [T, g.const(chunks - 1)]), g.const(chunks)]), g.const(min_rows)])
+    left = g.op("Sub", [T, g.op("Mul", [g.const(np.arange(chunks)), per])])  # (chunks,) rows from each start
+    return g.op("Min", [g.op("Max", [left, g.const(0)]), per])
+
+
 def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: float, int8: str = "off",
-                    fold_key_bias: bool = False) -> str:
+                    fold_key_bias: bool = False, query_chunks: int = 0) -> str:
     """softmax(q k^T * scale + bias) v with q (B,H,T,D), k/v (B,H,S,D), bias broadcastable
     to (B,H,T,S); int8: INT8_ATTENTION.
 
@@ -210,17 +224,31 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
     as one more column, q' = [q * scale, 1] and k' = [k, bias], so q' k'^T = q k^T * scale + bias
     without an Add over the (B, H, T, S) scores: at 8192 tokens that Add was a quarter of a
     ModernBERT full layer's attention time (docs/modernbert.md). For an encoder's own queries
-    (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add."""
+    (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add.
+
+    query_chunks (bias a key bias (B, 1, 1, S)): the queries run in up to this many chunks of rows
+    (`query_chunk_sizes`, at least QUERY_CHUNK_ROWS rows each), each chunk's scores, softmax and
+    P.V one after another, so only one chunk's (B, H, rows, S) scores exist at a time and they are
+    still in the cache when Softmax and P.V read them. Exact: every row is computed as before."""
     q = g.op("Mul", [q, g.fconst(scale)])
     if fold_key_bias and int8 == "off":
         q, k = with_key_bias_column(g, q, k, bias)  # (B, H, T, D+1), (B, H, S, D+1)
-        probs = g.op("Softmax", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])], axis=-1)
-        return g.op("MatMul", [probs, v])  # (B, H, T, D)
-    if int8 != "off":
-        k, v = quantize_right(g, k, int8), quantize_right(g, v, int8)
-    scores = matmul(g, q, transpose_right(g, k, [0, 1, 3, 2]))  # (B, H, T, S)
-    probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
-    return matmul(g, quantize_probs(g, probs, int8), v)  # (B, H, T, D)
+        kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])
+
+        def rows(qr: str) -> str:
+            return g.op("MatMul", [g.op("Softmax", [g.op("MatMul", [qr, kt])], axis=-1), v])
+    else:
+        if int8 != "off":
+            k, v = quantize_right(g, k, int8), quantize_right(g, v, int8)
+        kt = transpose_right(g, k, [0, 1, 3, 2])
+
+        def rows(qr: str) -> str:
+            probs = g.op("Softmax", [g.op("Add", [matmul(g, qr, kt), bias])], axis=-1)
+            return matmul(g, quantize_probs(g, probs, int8), v)
+    if query_chunks <= 1:
+        return rows(q)  # (B, H, T, D)
+    parts = g.op("Split", [q, query_chunk_sizes(g, q, query_chunks, QUERY_CHUNK_ROWS)], axis=2, n_out=query_chunks)
+    return g.op("Concat", [rows(part) for part in parts], axis=2)  # (B, H, T, D)
 
 
 # --- int8 attention (module docstring) ---------------------------------------------------------
@@ -278,9 +306,11 @@ def quantize_probs(g: GraphBuilder, probs: str, mode: str):
     rows = g.op("Reshape", [probs, g.op("Concat", [g.const([-1]), keys], axis=0)])  # (R, keys)
     scale = g.op("Max", [g.op("Div", [g.op("ReduceMax", [rows, g.const([1])], keepdims=0), g.fconst(255.0)]),
                          g.fconst(1e-30)])  # (R,)
-    data = g.op("Reshape", [g.op("QuantizeLinear", [rows, scale], axis=0), g.op("Shape", [probs])])
+    # allowzero: an empty query chunk's shape (B, h, 0, keys) means 0 rows, not "copy dimension 2"
+    data = g.op("Reshape", [g.op("QuantizeLinear", [rows, scale], axis=0), g.op("Shape", [probs])], allowzero=1)
     row_scale = g.op("Reshape", [scale, g.op("Concat", [g.op("Slice", [g.op("Shape", [probs]), g.const([0]),
-                                                                      g.const([-1])]), g.const([1])], axis=0)])
+                                                                      g.const([-1])]), g.const([1])], axis=0)],
+                     allowzero=1)
     return Quantized(data, row_scale, None)  # row_scale (..., rows, 1)
 
 
@@ -328,7 +358,7 @@ def _block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
         # and the probabilities exist for one head group at a time, which is what lets a
         # BigBird-base full-attention graph run at 16384 tokens in 24 GiB (all 12 heads: 24.6 GiB)
         outs = [dense_attention(g, *_heads(g, (q, k, v), h0, h1, len(groups)), ctx.key_bias, scale, ctx.int8,
-                                fold_key_bias=True)
+                                fold_key_bias=True, query_chunks=QUERY_CHUNKS)
                 for h0, h1 in groups]
         return merge_heads(g, outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1), ctx)
 

@@ -14,6 +14,7 @@ from onnx import helper
 from longdoc.export.census import check_graph
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.runtime import OnnxModel
+from longdoc.export.sparse_attention import QUERY_CHUNKS
 from longdoc.export.verify import Agreement, verify_lengths, verify_model
 from longdoc.testing.tiny_models import SEP, make_tiny_checkpoint
 
@@ -90,14 +91,15 @@ def test_verify_mlm_converted_from_transformers(tmp_path):
 
 def test_verify_full_attention_checkpoint_in_head_groups(tmp_path):
     """An original_full checkpoint exports to the dense lowering; with 8 heads it runs in two head
-    groups (export/sparse_attention.py) and still matches transformers."""
+    groups of QUERY_CHUNKS query chunks each (export/sparse_attention.py) and still matches
+    transformers."""
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qa", source="transformers", attention_type="original_full",
                                 num_attention_heads=8)
     export_model(ckpt, tmp_path / "model", "qa", progress=quiet)
     graph = onnx.load(str(tmp_path / "model" / "encoder.onnx"))
     assert not check_graph(graph, sparse=False)
     softmaxes = [n for n in graph.graph.node if n.op_type == "Softmax"]
-    assert len(softmaxes) == 2 * 2  # 2 layers x 2 head groups
+    assert len(softmaxes) == 2 * 2 * QUERY_CHUNKS  # 2 layers x 2 head groups x query chunks
     report = verify_model(tmp_path / "model", ckpt, against="transformers", progress=quiet, threads=1,
                           lengths=[16, 100, 512])
     assert report.ok, report.summary()

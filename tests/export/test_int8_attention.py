@@ -13,6 +13,7 @@ from longdoc.export.census import attention_int8_matmuls, check_graph
 from longdoc.export.exporter import CheckpointError, export_model
 from longdoc.export.manifest import INT8_ATTENTION, Manifest, ManifestError, file_checksums
 from longdoc.export.runtime import OnnxModel
+from longdoc.export.sparse_attention import QUERY_CHUNKS
 from longdoc.export.verify import verify_model
 from longdoc.testing.tiny_models import make_tiny_checkpoint
 
@@ -136,7 +137,8 @@ def test_full_attention_checkpoint_runs_its_products_in_int8(tmp_path):
     export_model(ckpt, tmp_path / "model", "qa", dtype="int8", int8_attention="per-row", progress=quiet)
     graph = _graph(tmp_path / "model")
     assert check_graph(graph, sparse=False) == []
-    assert attention_int8_matmuls(graph) == {"layer0/": 2, "layer1/": 2}
+    # Q.K^T and P.V of every query chunk
+    assert attention_int8_matmuls(graph) == {"layer0/": 2 * QUERY_CHUNKS, "layer1/": 2 * QUERY_CHUNKS}
     report = verify_model(tmp_path / "model", ckpt, progress=quiet, threads=1, lengths=[16, 300])
     assert report.ok, report.summary()
 

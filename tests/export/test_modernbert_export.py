@@ -188,6 +188,39 @@ def test_full_layers_write_the_scores_once(modernbert):
     assert square == ["MatMul", "MatMul", "Softmax", "Softmax"]  # per full layer: Q.K^T and its softmax
 
 
+def test_full_layers_run_their_queries_in_chunks_exactly(modernbert, tmp_path, monkeypatch):
+    """Full attention runs its queries in chunks of rows (export/sparse_attention.py
+    `query_chunk_sizes`; at 8192 tokens each chunk's scores stay in the cache for the Softmax and
+    P.V): with 4 chunks of at least 16 rows, no full layer holds more than one chunk's scores, and
+    every output equals the default export's, including lengths with empty chunks (1, 20) and
+    uneven ones (37, 100)."""
+    import onnxruntime as ort
+
+    from longdoc.export import sparse_attention
+
+    checkpoint, _, plain = modernbert["qa"]
+    monkeypatch.setattr(sparse_attention, "QUERY_CHUNKS", 4)
+    monkeypatch.setattr(sparse_attention, "QUERY_CHUNK_ROWS", 16)
+    export_model(checkpoint, tmp_path / "chunked", "qa", progress=quiet)
+    chunked = OnnxModel(tmp_path / "chunked", threads=1)
+    for S in (1, 20, 37, 100):
+        ids, mask = batch(S, 3, seed=S, task="qa")
+        want, got = plain.run_encoder(ids, mask), chunked.run_encoder(ids, mask)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} at {S} tokens")
+
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "chunked" / "encoder.onnx")))
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.graph.value_info}
+    probes = {node.output[0]: node.op_type for node in graph.graph.node if node.name.startswith("layer0/attn/")}
+    graph.graph.output.extend(onnx.helper.make_tensor_value_info(name, types[name], None) for name in probes)
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    S, heads, B = 96, 4, 2  # padded to 96: 4 chunks of 24 rows
+    feed, _ = chunked._encoder_feed(*batch(S, B, seed=5))
+    sizes = [(probes[name], value.size) for name, value in zip(probes, session.run(list(probes), feed))]
+    assert max(size for _, size in sizes) == B * heads * 24 * S
+    assert sorted(op for op, size in sizes if size == B * heads * 24 * S) == ["MatMul"] * 4 + ["Softmax"] * 4
+
+
 def test_verify_passes_against_transformers_and_our_model(modernbert):
     for name in ("qa", "classify-mean"):
         checkpoint, _, onnx_model = modernbert[name]

@@ -10,9 +10,13 @@ from longdoc.export.verify import Agreement
 
 
 def add_commands(subparsers) -> None:
-    p = subparsers.add_parser("export", help="export a BigBird, BigBird-Pegasus, Longformer or LED checkpoint to an ONNX model directory",
-                              description="Export a Hugging Face-format BigBird / BigBird-Pegasus / Longformer / LED checkpoint "
-                                          "directory to a self-contained ONNX model directory.")
+    from longdoc.model.registry import REGISTRY  # NumPy only: the architectures, one record each
+
+    families = ", ".join(REGISTRY)
+    p = subparsers.add_parser("export", help=f"export a checkpoint ({families}) to an ONNX model directory",
+                              description=f"Export a Hugging Face-format checkpoint directory whose config.json's "
+                                          f"model_type is one of {families} to a self-contained ONNX model "
+                                          f"directory.")
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
                                           "tokenizer.json")
     p.add_argument("output_dir", help="model directory to write (manifest.json, encoder.onnx, ...)")

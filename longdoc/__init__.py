@@ -1,5 +1,5 @@
 """longdoc: serve long-document transformer models (BigBird, BigBird-Pegasus, BERT2BERT, Longformer,
-LED). The CLI lives in :mod:`longdoc.cli`."""
+LED, ModernBERT). The CLI lives in :mod:`longdoc.cli`."""
 
 from importlib.metadata import PackageNotFoundError, version
 

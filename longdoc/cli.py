@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     from longdoc import __version__
 
     parser = argparse.ArgumentParser(
-        prog="longdoc", description="Long-document transformers (BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED): train, "
-                         "export to ONNX, verify, evaluate, serve."
+        prog="longdoc", description="Long-document transformers (BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED, "
+                                    "ModernBERT): train, export to ONNX, verify, evaluate, serve."
     )
     parser.add_argument("--version", action="version", version=f"longdoc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -18,10 +18,12 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model_dir")
-    ap.add_argument("--lengths", default="128,256,512,1024", help="document tokens (+7 for a QA question and specials)")
-    ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", default="128,256,512,1024",
+                    help="document tokens (+7 for a QA question and specials), comma-separated (default: %(default)s)")
+    ap.add_argument("--batches", default="1,2,4,8", help="batch sizes, comma-separated (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=9,
+                    help="rounds over the batch sizes per length (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of the model (default: %(default)s)")
     args = ap.parse_args()
     from longdoc.export.runtime import OnnxModel
 

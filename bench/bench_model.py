@@ -128,11 +128,14 @@ def _child(args: list[str]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--repeats", type=int, default=3, help="timed forwards per measurement (after 1 warm-up)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                   help="input lengths in tokens (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed forwards per measurement (after 1 warm-up) (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=12,
+                   help="encoder layers of the BigBird-base shape (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="also write the results here (default: none)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 

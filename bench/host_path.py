@@ -318,23 +318,30 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return serve_null(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", default="models/qa", help="an exported QA model (its tokenizer and manifest)")
-    p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
-    p.add_argument("--documents", type=int, default=16, help="distinct documents, sent round-robin")
-    p.add_argument("--concurrency", type=int, default=32, help="client connections")
-    p.add_argument("--cores", default="1,2", help="server core counts to measure, comma-separated")
-    p.add_argument("--client-cpus", default=None, help="pin the client to these CPUs (e.g. 15); unset: unpinned")
+    p.add_argument("--model-dir", default="models/qa",
+                   help="an exported QA model (its tokenizer and manifest) (default: %(default)s)")
+    p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (default: %(default)s)")
+    p.add_argument("--documents", type=int, default=16,
+                   help="distinct documents, sent round-robin (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=32, help="client connections (default: %(default)s)")
+    p.add_argument("--cores", default="1,2",
+                   help="server core counts to measure, comma-separated (default: %(default)s)")
+    p.add_argument("--client-cpus", default=None,
+                   help="pin the client to these CPUs (e.g. 15) (default: none, unpinned)")
     p.add_argument("--mode", action="append", metavar="NAME=FLAGS",
                    help=f"a server configuration: extra `longdoc serve` flags (repeatable; default: "
                         f"{'; '.join(DEFAULT_MODES)})")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring")
-    p.add_argument("--repeat", type=int, default=1, help="rounds over all points (the table gives medians)")
-    p.add_argument("--max-batch-tokens", type=int, default=65536, help="batch budget (as on a GPU)")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--out", type=Path, default=None, help="results JSON")
-    p.add_argument("--plot", type=Path, default=None, help="plot (PNG)")
-    p.add_argument("--verbose", action="store_true", help="show the server's stderr")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds measured per point (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all points (the table gives medians) (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=65536,
+                   help="batch budget (as on a GPU) (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=int, default=32,
+                   help="the server's --max-batch-size (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: none)")
+    p.add_argument("--plot", type=Path, default=None, help="plot (PNG) (default: none)")
+    p.add_argument("--verbose", action="store_true", help="show the server's stderr (default: off)")
     args = p.parse_args(argv)
 
     from tokenizers import Tokenizer

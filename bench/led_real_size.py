@@ -42,16 +42,20 @@ def timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="default")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--new-tokens", type=int, default=8, help="generated tokens per search")
-    ap.add_argument("--beams", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="default",
+                    help="the model's shape: 'default' = LEDConfig(), 'base' = allenai/led-base-16384's (default: %(default)s)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096],
+                    help="input lengths in tokens (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=8, help="generated tokens per search (default: %(default)s)")
+    ap.add_argument("--beams", type=int, default=2, help="beams of the beam search (default: %(default)s)")
     ap.add_argument("--no-repeat-ngram-size", type=int, default=3,
-                    help="as LED's summarization checkpoints set it; random weights otherwise repeat one token")
+                    help="as LED's summarization checkpoints set it; random weights otherwise repeat one token"
+                         " (default: %(default)s)")
     ap.add_argument("--min-length", type=int, default=0,
-                    help="total decoder length below which eos is forbidden (random weights may end at once)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, help="also write the table (Markdown) here")
+                    help="total decoder length below which eos is forbidden (random weights may end at once)"
+                         " (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    ap.add_argument("--out", type=Path, help="also write the table (Markdown) here (default: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -240,27 +240,33 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupt)  # stop the server subprocess on the way out
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True, help="an exported model directory (qa or classify)")
-    ap.add_argument("--doc-tokens", type=int, default=1024)
-    ap.add_argument("--concurrency", default="1,4,16,32")
-    ap.add_argument("--requests", type=int, default=64, help="per sweep point")
-    ap.add_argument("--max-seconds", type=float, default=60, help="per sweep point")
-    ap.add_argument("--modes", default="on,off", help="dynamic batching: on, off or on,off")
-    ap.add_argument("--offline-seconds", type=float, default=10, help="per offline batch size")
-    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (server and offline)")
+    ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens per document (default: %(default)s)")
+    ap.add_argument("--concurrency", default="1,4,16,32",
+                    help="client concurrencies to sweep, comma-separated (default: %(default)s)")
+    ap.add_argument("--requests", type=int, default=64, help="per sweep point (default: %(default)s)")
+    ap.add_argument("--max-seconds", type=float, default=60, help="per sweep point (default: %(default)s)")
+    ap.add_argument("--modes", default="on,off", help="dynamic batching: on, off or on,off (default: %(default)s)")
+    ap.add_argument("--offline-seconds", type=float, default=10, help="per offline batch size (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (server and offline) (default: none, the server's and ONNX Runtime's own)")
     ap.add_argument("--offline-batch", default="1,2,4,8",
-                    help="offline batch sizes (comma-separated); the reference is the best of them")
+                    help="offline batch sizes (comma-separated); the reference is the best of them"
+                         " (default: %(default)s)")
     ap.add_argument("--overhead-doc-tokens", type=int, default=None,
-                    help="also measure service overhead at concurrency 1 on documents of this many tokens")
+                    help="also measure service overhead at concurrency 1 on documents of this many tokens"
+                         " (default: none, not measured)")
     ap.add_argument("--open-loop-fraction", type=float, default=0.7,
                     help="with batching on, also send open-loop arrivals (--arrivals) at this fraction of the "
-                         "best throughput, and replay them through an ideal FIFO server (offline batch-1 time)")
+                         "best throughput, and replay them through an ideal FIFO server (offline batch-1 time)"
+                         " (default: %(default)s)")
     ap.add_argument("--arrivals", default="poisson,paced",
-                    help="open-loop arrival processes: poisson (exponential gaps) and/or paced (constant gaps)")
+                    help="open-loop arrival processes: poisson (exponential gaps) and/or paced (constant gaps)"
+                         " (default: %(default)s)")
     ap.add_argument("--open-loop-requests", type=int, default=None,
                     help="requests per open-loop run (default: max(--requests, 200))")
-    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--json", help="write the results here too (default: none)")
     ap.add_argument("--make-model", metavar="TASK", help="first export a random bench model of this task "
-                    "(qa or classify) to --model-dir (needs torch)")
+                    "(qa or classify) to --model-dir (needs torch; default: none)")
     args = ap.parse_args()
     if args.make_model:
         make_bench_model(args.model_dir, args.make_model)

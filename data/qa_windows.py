@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("source", type=Path)
     parser.add_argument("output", type=Path)
-    parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-length", type=int, default=1024,
+                        help="tokens of a training example: question, window and specials (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="where each answer lands in its window (default: %(default)s)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer()
     rng, cache, kept, dropped = random.Random(args.seed), {}, 0, 0

@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("output", type=Path)
     parser.add_argument("--task", required=True)
-    parser.add_argument("--dtype", default="int8")
-    parser.add_argument("--plan", default="hf-train")
+    parser.add_argument("--dtype", default="int8", help="`longdoc export --dtype` (default: %(default)s)")
+    parser.add_argument("--plan", default="hf-train", help="`longdoc export --plan` (default: %(default)s)")
     args = parser.parse_args(argv)
 
     staged = DATA_DIR / "cache" / "ship" / args.output.name

@@ -79,18 +79,23 @@ def write_sibling_windows(output: str, max_length: int, siblings: int, seed: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", default="data/cache/manpages/qa_train_w768.jsonl")
-    parser.add_argument("--output", default="data/cache/runs/qa")
-    parser.add_argument("--max-length", type=int, default=768)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-steps", type=int, default=90)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--init", help="continue from this QA checkpoint instead of the MiniLM warm start")
-    parser.add_argument("--seed", type=int, default=0, help="data order (use a new one when continuing)")
+    parser.add_argument("--train", default="data/cache/manpages/qa_train_w768.jsonl",
+                        help="training records (JSON lines) (default: %(default)s)")
+    parser.add_argument("--output", default="data/cache/runs/qa", help="run directory (default: %(default)s)")
+    parser.add_argument("--max-length", type=int, default=768,
+                        help="tokens per training example (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=4, help="examples per step (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=90, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--init",
+                        help="continue from this QA checkpoint instead of the MiniLM warm start (default: none)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="data order (use a new one when continuing) (default: %(default)s)")
     parser.add_argument("--siblings", type=int, default=0,
                         help="write --train first from qa_train.jsonl: each answer's window plus up to N other "
-                             "questions of the same page whose answers lie in that window (same text, other question)")
+                             "questions of the same page whose answers lie in that window (same text, other question)"
+                             " (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.siblings:
         # from the whole-page questions beside the windows file (data/cache/manpages/qa_train.jsonl for

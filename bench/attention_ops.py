@@ -14,7 +14,10 @@ reported. Threads: --threads intra-op threads.
     pv           P.V, fp32 MatMul
     pv-int8      P.V as MatMulInteger on already-quantized u8 x s8 inputs (int32 out)
     quantize-p   DynamicQuantizeLinear of P (what int8 P.V has to pay first)
-    layer-folded the whole group as the export computes it: folded Q.K^T, Softmax, P.V
+    layer-folded the whole group as the export computed it until 2026-11-27: folded Q.K^T, Softmax, P.V
+    layer-chunked the group as the export computes it now (built by export/sparse_attention.py's own
+                 `dense_attention`): the same, over up to QUERY_CHUNKS chunks of query rows, one after
+                 another, so a chunk's scores are still in the cache when Softmax and P.V read them
     attention-23 the same as ONNX's own Attention op (opset 23), as ONNX Runtime implements it
                  (its mask must cover every query row: a boolean (S, S))
     mha          ONNX Runtime's com.microsoft MultiHeadAttention with a key-padding mask (a contrib
@@ -70,6 +73,7 @@ def graphs(h: int):
 
     one = helper.make_tensor("one", T.FLOAT, [], [1.0])
     qkv = [f32("q"), f32("k"), f32("v")]
+    chunked = exported_group(h)
     u8, s8 = helper.make_tensor_value_info("pq", T.UINT8, None), helper.make_tensor_value_info("vq", T.INT8, None)
     return {
         "qk": (model([node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["y"])],
@@ -86,6 +90,7 @@ def graphs(h: int):
                        ("p",)),
         "layer-folded": (model(folded() + [node("Softmax", ["s"], ["pr"], axis=-1), node("MatMul", ["pr", "v"], ["y"])],
                                qkv + [f32("bias")], init=[scale, ones_shape, one]), ("q", "k", "v", "bias")),
+        "layer-chunked": (chunked, ("q", "k", "v", "bias")),
         "attention-23": (model([node("Attention", ["q", "k", "v", "allowed"], ["y"])],
                                qkv + [helper.make_tensor_value_info("allowed", T.BOOL, None)], opset=23),
                          ("q", "k", "v", "allowed")),
@@ -94,6 +99,23 @@ def graphs(h: int):
                       [f32("qb"), f32("kb"), f32("vb"), helper.make_tensor_value_info("key_padding", T.INT32, None)]),
                 ("qb", "kb", "vb", "key_padding")),
     }
+
+
+def exported_group(h: int):
+    """One head group's attention built by the export's own code (`dense_attention` as
+    `block_sparse_attention` calls it for full layers)."""
+    from onnx import TensorProto as T
+
+    from longdoc.export.graph import GraphBuilder
+    from longdoc.export.sparse_attention import QUERY_CHUNKS, dense_attention
+
+    g = GraphBuilder("group")
+    for name in ("q", "k", "v"):
+        g.input(name, T.FLOAT, [1, h, "S", D])
+    g.input("bias", T.FLOAT, [1, 1, 1, "S"])
+    y = dense_attention(g, "q", "k", "v", "bias", D ** -0.5, fold_key_bias=True, query_chunks=QUERY_CHUNKS)
+    g.output(y, "y", None, [1, h, "S", D])
+    return g.model()
 
 
 def inputs(S: int, h: int) -> dict[str, np.ndarray]:
@@ -163,7 +185,7 @@ def main(argv=None) -> int:
     best = {n: min(t) for n, t in times.items()}
     # the whole-attention variants compute the same thing: their largest difference from layer-folded
     outs = {n: sessions[n][0].run(None, {k: feeds[k] for k in sessions[n][1]})[0]
-            for n in ("layer-folded", "attention-23", "mha") if n in sessions}
+            for n in ("layer-folded", "layer-chunked", "attention-23", "mha") if n in sessions}
     if "mha" in outs:
         outs["mha"] = outs["mha"].reshape(1, a.length, a.heads, D).transpose(0, 2, 1, 3)
     diff = {n: float(np.abs(o - outs["layer-folded"]).max()) for n, o in outs.items()}

@@ -1,5 +1,6 @@
 """bench/graph_ab.py (two exports, interleaved) runs on the tests' tiny export, and docs/export.md's
-key-bias table is its results files (docs/results/key-bias-fold-*.json)."""
+key-bias and query-chunk tables are its results files (docs/results/key-bias-fold-*.json,
+docs/results/query-chunks-*.json)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def test_the_key_bias_table_is_its_results_files():
         figures = (f"| {r['batch']} | {r['median_s']['a']:.3f} | {r['median_s']['b']:.3f} | {r['b_over_a']:.3f} | "
                    f"{max(r['max_abs_diff'].values()):.1e} |")
         assert figures in text and r["command"] in text, name
+
+
+def test_the_query_chunks_table_is_its_results_files():
+    text = (ROOT / "docs" / "export.md").read_text()
+    files = sorted((ROOT / "docs" / "results").glob("query-chunks-run*.json"))
+    assert len(files) == 9
+    for path in files:
+        r = json.loads(path.read_text())
+        run, dtype = path.stem.split("-")[2][-1], path.stem.split("-")[3]
+        figures = (f"| {run} | {dtype} | {r['length']} | {len(r['seconds']['a'])} | {r['median_s']['a']:.3f} | "
+                   f"{r['median_s']['b']:.3f} | {r['b_over_a']:.3f} | {max(r['max_abs_diff'].values()):.1e} |")
+        assert figures in text, path.name
+        assert max(r["max_abs_diff"].values()) == 0.0  # exact

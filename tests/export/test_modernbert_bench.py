@@ -76,13 +76,14 @@ def test_the_attention_ops_table_in_the_docs_is_its_results_file():
 def test_attention_ops_script_compares_the_same_computation(tmp_path):
     """bench/attention_ops.py (docs/modernbert.md, "Where the time goes") runs at a small length:
     every variant runs, and the fused ones (ONNX's Attention, ONNX Runtime's MultiHeadAttention)
-    compute what the export's folded-bias attention computes, padded keys included."""
+    and the export's own chunked group compute what the folded-bias attention computes, padded keys
+    included."""
     ops = load_bench("attention_ops")
     out = tmp_path / "ops.json"
     assert ops.main(["--length", "200", "--heads", "2", "--reps", "1", "--threads", "1", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["failed"] == {}
     assert set(results["best_s"]) == {"qk", "qk+bias", "qk-folded", "softmax", "pv", "pv-int8", "quantize-p",
-                                      "layer-folded", "attention-23", "mha"}
-    assert set(results["max_diff_vs_layer_folded"]) == {"layer-folded", "attention-23", "mha"}
+                                      "layer-folded", "layer-chunked", "attention-23", "mha"}
+    assert set(results["max_diff_vs_layer_folded"]) == {"layer-folded", "layer-chunked", "attention-23", "mha"}
     assert max(results["max_diff_vs_layer_folded"].values()) < 1e-5

@@ -10,14 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, get_args
 
+import numpy as np
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from longdoc.service.errors import InvalidRequest, TooLarge
 
-# Unicode category Cc (C0 and C1 controls) but tab, newline and carriage return: one regex
-# search in C instead of a Python loop over every character of a 2 MB document (0.17 s)
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # outside strings: the start of a string, or a separator; inside: up to the closing quote
 _JSON_TOKEN = re.compile(rb'[",:\[{]')
 _STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
@@ -71,6 +70,29 @@ def _char_class(chars) -> str:
         else:
             out.append([p, p])
     return "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in out)
+
+
+# Unicode category Cc (C0 and C1 controls) but tab, newline and carriage return (_CONTROLS). The
+# regex finds the first one (the error names its offset); before it, `_may_have_control` looks at
+# the UTF-8 bytes with NumPy compares, about 5x faster than the regex on a 4096-token document (36
+# against 190 us), so text without controls, nearly all of it, never meets the regex.
+_CONTROL = re.compile(f"[{_char_class(_CONTROLS)}]")
+_C0 = np.array(sorted(ord(c) for c in _CONTROLS if ord(c) < 0x20), np.uint8)  # 0x00-0x1f but \t \n \r
+_C1 = np.zeros(256, bool)  # U+0080-U+009F in UTF-8: the lead byte 0xC2, then the code point's own byte
+_C1[[ord(c) for c in _CONTROLS if ord(c) >= 0x80]] = True
+assert {ord(c) for c in _CONTROLS} == {*_C0.tolist(), 0x7F, *np.flatnonzero(_C1).tolist()}
+
+
+def _may_have_control(encoded: bytes) -> bool:
+    """False only when the UTF-8 `encoded` holds no character of _CONTROLS (True may be a tab)."""
+    a = np.frombuffer(encoded, np.uint8)
+    low = a < 0x20
+    if low.any() and np.isin(a[low], _C0).any():
+        return True
+    if b"\x7f" in encoded:
+        return True
+    lead = np.flatnonzero(a[:-1] == 0xC2)
+    return bool(_C1[a[lead + 1]].any())
 
 
 # check_text's rules as a JSON-schema pattern (the max size is in bytes, which a schema cannot
@@ -268,14 +290,14 @@ class ClassifyJob:
 def check_text(text: str, what: str, max_bytes: int) -> str:
     """Non-empty, valid Unicode (no lone surrogates), no control characters, within max_bytes."""
     try:
-        size = len(text.encode("utf-8"))
+        encoded = text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
-    if size > max_bytes:
-        raise TooLarge(f"{what} is {size} bytes; the limit is {max_bytes} bytes")
+    if len(encoded) > max_bytes:
+        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes")
     if not _NOT_BLANK.search(text):  # one regex search in C, not a Python loop over a 2 MB text
         raise InvalidRequest(f"{what} is empty or only whitespace or invisible characters")
-    if bad := _CONTROL.search(text):
+    if _may_have_control(encoded) and (bad := _CONTROL.search(text)):
         raise InvalidRequest(f"{what} contains control character U+{ord(bad.group()):04X} at offset {bad.start()}")
     return text
 

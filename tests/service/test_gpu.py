@@ -82,3 +82,28 @@ def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model):
         tokens = [int(t) for t in want.argmax(axis=-1)]
     assert set(gpu.decoder.copied) == {"encoder_inputs", "masks", "step_inputs", "past"}  # no cross state
     assert gpu.decoder.regroups == 3 and gpu.decoder.regroup.moved > 0
+
+
+def test_full_attention_query_chunks_run_on_cuda(tmp_path, monkeypatch):
+    """ModernBERT's full layers run their queries in chunks sized in the graph, most of them empty
+    at short lengths (export/sparse_attention.py `query_chunk_sizes`): the CUDA provider takes the
+    zero-row Split outputs, MatMuls and Softmaxes, and answers as the CPU does (fp16 criterion)."""
+    from longdoc.export import sparse_attention
+    from longdoc.export.exporter import export_model
+    from longdoc.testing.tiny_models import make_tiny_modernbert
+
+    monkeypatch.setattr(sparse_attention, "QUERY_CHUNKS", 4)
+    monkeypatch.setattr(sparse_attention, "QUERY_CHUNK_ROWS", 16)
+    ckpt = make_tiny_modernbert(tmp_path / "checkpoint", "qa")
+    for dtype in ("fp16", "fp32"):
+        export_model(ckpt, tmp_path / dtype, "qa", dtype=dtype, progress=lambda _m: None)
+    gpu, cpu = OnnxModel(tmp_path / "fp16", device="cuda"), OnnxModel(tmp_path / "fp32", threads=1)
+    rng = np.random.default_rng(0)
+    for S in (1, 20, 100, 512):  # empty chunks, uneven ones, the maximum
+        ids = rng.integers(10, 400, (2, S))
+        mask = np.ones_like(ids)
+        mask[1, max(1, S // 2):] = 0
+        got, want = gpu.run_encoder(ids, mask), cpu.run_encoder(ids, mask)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=_scaled(TOLERANCE["fp16"], want[name], "fp16"),
+                                       rtol=0, err_msg=f"{name} at {S} tokens")

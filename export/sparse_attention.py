@@ -65,7 +65,7 @@ from longdoc.export.manifest import INT8_ATTENTION
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 # full attention over a whole sequence runs its queries in at most this many row chunks of at least
-# QUERY_CHUNK_ROWS rows each (`dense_attention`, docs/export.md "Query chunks")
+# QUERY_CHUNK_ROWS rows each (`dense_attention`; docs/export.md, "Query chunks in full attention")
 QUERY_CHUNKS = 32
 QUERY_CHUNK_ROWS = 256
 

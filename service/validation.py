@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Annotated, get_args
 
 import numpy as np
-
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
@@ -74,8 +73,8 @@ def _char_class(chars) -> str:
 
 # Unicode category Cc (C0 and C1 controls) but tab, newline and carriage return (_CONTROLS). The
 # regex finds the first one (the error names its offset); before it, `_may_have_control` looks at
-# the UTF-8 bytes with NumPy compares, about 5x faster than the regex on a 4096-token document (36
-# against 190 us), so text without controls, nearly all of it, never meets the regex.
+# the UTF-8 bytes with NumPy compares (check_text on a 4096-token document: 25 against 214 us with
+# the regex alone), so text without controls, nearly all of it, never meets the regex.
 _CONTROL = re.compile(f"[{_char_class(_CONTROLS)}]")
 _C0 = np.array(sorted(ord(c) for c in _CONTROLS if ord(c) < 0x20), np.uint8)  # 0x00-0x1f but \t \n \r
 _C1 = np.zeros(256, bool)  # U+0080-U+009F in UTF-8: the lead byte 0xC2, then the code point's own byte
@@ -84,7 +83,8 @@ assert {ord(c) for c in _CONTROLS} == {*_C0.tolist(), 0x7F, *np.flatnonzero(_C1)
 
 
 def _may_have_control(encoded: bytes) -> bool:
-    """False only when the UTF-8 `encoded` holds no character of _CONTROLS (True may be a tab)."""
+    """Whether the UTF-8 `encoded` holds a character of _CONTROLS: C0 bytes but tab, newline and
+    CR, 0x7F, and the two-byte sequences 0xC2 0x80-0x9F (0xC2 is only ever a lead byte)."""
     a = np.frombuffer(encoded, np.uint8)
     low = a < 0x20
     if low.any() and np.isin(a[low], _C0).any():

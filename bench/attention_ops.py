@@ -15,9 +15,10 @@ reported. Threads: --threads intra-op threads.
     pv-int8      P.V as MatMulInteger on already-quantized u8 x s8 inputs (int32 out)
     quantize-p   DynamicQuantizeLinear of P (what int8 P.V has to pay first)
     layer-folded the whole group as the export computed it until 2026-11-27: folded Q.K^T, Softmax, P.V
-    layer-chunked the group as the export computes it now (built by export/sparse_attention.py's own
-                 `dense_attention`): the same, over up to QUERY_CHUNKS chunks of query rows, one after
-                 another, so a chunk's scores are still in the cache when Softmax and P.V read them
+    layer-chunked the group as the export computes it now: the same, over up to QUERY_CHUNKS chunks of
+                 query rows, one after another, so a chunk's scores are still in the cache when
+                 Softmax and P.V read them
+    (qk-folded, layer-folded and layer-chunked are built by export/sparse_attention.py's own code)
     attention-23 the same as ONNX's own Attention op (opset 23), as ONNX Runtime implements it
                  (its mask must cover every query row: a boolean (S, S))
     mha          ONNX Runtime's com.microsoft MultiHeadAttention with a key-padding mask (a contrib
@@ -59,21 +60,7 @@ def graphs(h: int):
 
     node = helper.make_node
     scale = helper.make_tensor("scale", T.FLOAT, [], [D ** -0.5])
-    ones_shape = helper.make_tensor("cols", T.INT64, [1], [1])
-
-    def folded(q="q", k="k", out="s"):
-        return [
-            node("Mul", [q, "scale"], ["qs"]),
-            node("Shape", [q], ["qshape"], end=3), node("Concat", ["qshape", "cols"], ["rows"], axis=0),
-            node("Expand", ["one", "rows"], ["ones"]), node("Concat", ["qs", "ones"], ["q1"], axis=-1),
-            node("Transpose", ["bias"], ["bcol"], perm=[0, 1, 3, 2]), node("Expand", ["bcol", "rows"], ["bk"]),
-            node("Concat", [k, "bk"], ["k1"], axis=-1), node("Transpose", ["k1"], ["k1t"], perm=[0, 1, 3, 2]),
-            node("MatMul", ["q1", "k1t"], [out]),
-        ]
-
-    one = helper.make_tensor("one", T.FLOAT, [], [1.0])
     qkv = [f32("q"), f32("k"), f32("v")]
-    chunked = exported_group(h)
     u8, s8 = helper.make_tensor_value_info("pq", T.UINT8, None), helper.make_tensor_value_info("vq", T.INT8, None)
     return {
         "qk": (model([node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["y"])],
@@ -81,16 +68,14 @@ def graphs(h: int):
         "qk+bias": (model([node("Mul", ["q", "scale"], ["qs"]), node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
                            node("MatMul", ["qs", "kt"], ["s"]), node("Add", ["s", "bias"], ["y"])],
                           qkv[:2] + [f32("bias")], init=[scale]), ("q", "k", "bias")),
-        "qk-folded": (model(folded(out="y"), qkv[:2] + [f32("bias")], init=[scale, ones_shape, one]),
-                      ("q", "k", "bias")),
+        "qk-folded": (exported(h, "qk-folded"), ("q", "k", "bias")),
         "softmax": (model([node("Softmax", ["p"], ["y"], axis=-1)], [f32("p")]), ("p",)),
         "pv": (model([node("MatMul", ["p", "v"], ["y"])], [f32("p"), f32("v")]), ("p", "v")),
         "pv-int8": (model([node("MatMulInteger", ["pq", "vq"], ["y"])], [u8, s8], T.INT32), ("pq", "vq")),
         "quantize-p": (model([node("DynamicQuantizeLinear", ["p"], ["y", "ps", "pz"])], [f32("p")], T.UINT8),
                        ("p",)),
-        "layer-folded": (model(folded() + [node("Softmax", ["s"], ["pr"], axis=-1), node("MatMul", ["pr", "v"], ["y"])],
-                               qkv + [f32("bias")], init=[scale, ones_shape, one]), ("q", "k", "v", "bias")),
-        "layer-chunked": (chunked, ("q", "k", "v", "bias")),
+        "layer-folded": (exported(h, "layer-folded"), ("q", "k", "v", "bias")),
+        "layer-chunked": (exported(h, "layer-chunked"), ("q", "k", "v", "bias")),
         "attention-23": (model([node("Attention", ["q", "k", "v", "allowed"], ["y"])],
                                qkv + [helper.make_tensor_value_info("allowed", T.BOOL, None)], opset=23),
                          ("q", "k", "v", "allowed")),
@@ -101,20 +86,28 @@ def graphs(h: int):
     }
 
 
-def exported_group(h: int):
-    """One head group's attention built by the export's own code (`dense_attention` as
-    `block_sparse_attention` calls it for full layers)."""
+def exported(h: int, variant: str):
+    """One head group built by the export's own code (export/sparse_attention.py): "qk-folded" the
+    scores' product with the key bias as a last feature (`with_key_bias_column`), "layer-folded"
+    the whole group as `dense_attention` built it for full layers until 2026-11-27 (one chunk),
+    "layer-chunked" as it builds it now (QUERY_CHUNKS)."""
     from onnx import TensorProto as T
 
     from longdoc.export.graph import GraphBuilder
-    from longdoc.export.sparse_attention import QUERY_CHUNKS, dense_attention
+    from longdoc.export.sparse_attention import QUERY_CHUNKS, dense_attention, with_key_bias_column
 
     g = GraphBuilder("group")
-    for name in ("q", "k", "v"):
+    for name in ("q", "k", "v") if variant != "qk-folded" else ("q", "k"):
         g.input(name, T.FLOAT, [1, h, "S", D])
     g.input("bias", T.FLOAT, [1, 1, 1, "S"])
-    y = dense_attention(g, "q", "k", "v", "bias", D ** -0.5, fold_key_bias=True, query_chunks=QUERY_CHUNKS)
-    g.output(y, "y", None, [1, h, "S", D])
+    if variant == "qk-folded":
+        q, k = with_key_bias_column(g, g.op("Mul", ["q", g.fconst(D ** -0.5)]), "k", "bias")
+        y = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
+        g.output(y, "y", None, [1, h, "S", "S"])
+    else:
+        chunks = QUERY_CHUNKS if variant == "layer-chunked" else 1
+        y = dense_attention(g, "q", "k", "v", "bias", D ** -0.5, fold_key_bias=True, query_chunks=chunks)
+        g.output(y, "y", None, [1, h, "S", D])
     return g.model()
 
 

@@ -17,21 +17,13 @@ from __future__ import annotations
 
 import argparse
 
-from data.train_default_qa import CHECKPOINT, run_time_boxed  # the same MiniLM -> BigBird 4096 warm start
+from data.train_default_qa import CHECKPOINT, run_time_boxed, training_options  # the same MiniLM warm start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", default="data/cache/manpages/classify_train.jsonl",
-                        help="training records (JSON lines) (default: %(default)s)")
-    parser.add_argument("--output", default="data/cache/runs/classify", help="run directory (default: %(default)s)")
-    parser.add_argument("--max-length", type=int, default=768,
-                        help="tokens per training example (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=8, help="examples per step (default: %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (data order) (default: %(default)s)")
+    training_options(parser, "data/cache/manpages/classify_train.jsonl", "data/cache/runs/classify", batch_size=8,
+                     max_steps=100)
     args = parser.parse_args(argv)
 
     import torch

@@ -77,21 +77,26 @@ def write_sibling_windows(output: str, max_length: int, siblings: int, seed: int
     return f"{output}: {primary} windows + {extra} same-window questions of other terms"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", default="data/cache/manpages/qa_train_w768.jsonl",
-                        help="training records (JSON lines) (default: %(default)s)")
-    parser.add_argument("--output", default="data/cache/runs/qa", help="run directory (default: %(default)s)")
+def training_options(parser: argparse.ArgumentParser, train: str, output: str, batch_size: int, max_steps: int,
+                     seed_help: str = "random seed (data order)") -> None:
+    """The options every default model's training script takes, with its own defaults."""
+    parser.add_argument("--train", default=train, help="training records (JSON lines) (default: %(default)s)")
+    parser.add_argument("--output", default=output, help="run directory (default: %(default)s)")
     parser.add_argument("--max-length", type=int, default=768,
                         help="tokens per training example (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=4, help="examples per step (default: %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=90, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="examples per step (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=max_steps, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default: %(default)s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    training_options(parser, "data/cache/manpages/qa_train_w768.jsonl", "data/cache/runs/qa", batch_size=4,
+                     max_steps=90, seed_help="data order (use a new one when continuing)")
     parser.add_argument("--init",
                         help="continue from this QA checkpoint instead of the MiniLM warm start (default: none)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="data order (use a new one when continuing) (default: %(default)s)")
     parser.add_argument("--siblings", type=int, default=0,
                         help="write --train first from qa_train.jsonl: each answer's window plus up to N other "
                              "questions of the same page whose answers lie in that window (same text, other question)"

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from longdoc.export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
 from longdoc.model.search import SearchSettings
 from longdoc.export.runtime import parse_device
+from longdoc.service.batching import budget_groups
 
 __all__ = ["GenerationStopped"]  # re-exported for the batcher
 
@@ -141,7 +142,10 @@ class OnnxWorker:
 
     # summarization: one state per sequence, kept on the worker's device (DeviceDecoder)
     def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
-        return self._guard(self.decoder.begin, input_ids)
+        """Encode newcomers in encoder batches within this worker's token budget, back to back
+        (they join the running batch together, at its next step)."""
+        groups = budget_groups([len(x) for x in input_ids], self.max_batch_tokens, self.info.block_size)
+        return [s for g in groups for s in self._guard(self.decoder.begin, input_ids[g.start:g.stop])]
 
     def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
         return self._guard(self.decoder.step, states, tokens)

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longdoc.service.batching import BatchingPolicy, Entry
+from longdoc.service.batching import BatchingPolicy, Entry, budget_groups
 
 
 def policy(budget=256, size=8, wait=0.010, bucket=16):
@@ -161,3 +161,25 @@ def test_the_least_served_request_goes_first_on_its_turn():
     p.append(Entry(length=16, arrival=0.0, payload="c0", owner="c"))
     # FIFO: a0; least served (b and c have 0, b is older): b0; FIFO: a1; least served: c0
     assert [p.next_batch(now=1.0).entries[0].payload for _ in range(4)] == ["a0", "b0", "a1", "c0"]
+
+
+def test_budget_groups_keep_order_and_the_budget():
+    # buckets of 64: 100 -> 128, 60 -> 64, 200 -> 256, 4000 -> 4032
+    assert budget_groups([100, 60, 100], 256, 64) == [range(0, 2), range(2, 3)]  # 128 * 2, then 128 * 3 > 256
+    assert budget_groups([60, 200, 60], 512, 64) == [range(0, 2), range(2, 3)]  # 256 * 2, then 256 * 3 > 512
+    assert budget_groups([4000, 50], 1024, 64) == [range(0, 1), range(1, 2)]  # over the budget alone: alone
+    assert budget_groups([4000] * 3, 1 << 20, 64) == [range(0, 3)]
+    assert budget_groups([], 1024, 64) == []
+
+
+@given(st.lists(st.integers(1, 5000), max_size=20), st.integers(1, 20000), st.sampled_from([1, 16, 64]))
+@settings(max_examples=200, deadline=None)
+def test_budget_groups_cover_everything_within_the_budget(lengths, budget, bucket):
+    groups = budget_groups(lengths, budget, bucket)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for g in groups:
+        padded = max(-(-lengths[i] // bucket) * bucket for i in g) * len(g)
+        assert len(g) == 1 or padded <= budget
+    for a, b in zip(groups, groups[1:]):  # each group is as long as the budget allows
+        both = range(a.start, b.start + 1)
+        assert max(-(-lengths[i] // bucket) * bucket for i in both) * len(both) > budget

@@ -18,6 +18,7 @@ import pytest
 
 from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
+from longdoc.service.batching import budget_groups
 from longdoc.service.metrics import Metrics
 from longdoc.service.regroup import Regroup, concat_graph, take_graph
 from longdoc.service.workers import OnnxWorker
@@ -121,6 +122,37 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         worker.step([states[0], states[1]], [start, start])
     worker.release()
     assert dec._batch is None
+
+
+def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
+    """A group of newcomers is encoded in batches of at most the worker's `max_batch_tokens`
+    (one 4096-token document at a time on a CPU, where eight in one batch cost a quarter more
+    each), in order; they still join the running batch together and decode as they would alone."""
+    docs_lengths = (40, 120, 70, 30)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    block = worker.info.block_size
+    bucket = lambda n: -(-n // block) * block  # noqa: E731
+    worker.max_batch_tokens = 2 * bucket(70)  # groups: the first alone (the second would pad it to 120), 120 alone, 70 + 30
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in docs_lengths]
+    states = worker.begin(docs)
+    groups = list({id(s.group): s.group for s in states}.values())
+    expect = budget_groups([len(d) for d in docs], worker.max_batch_tokens, block)
+    assert len(groups) == len(expect) > 1
+    for g, rows in zip(groups, expect):
+        assert [s.row for s in states if s.group is g] == list(range(len(rows)))
+        assert max(bucket(len(docs[i])) for i in rows) * len(rows) <= worker.max_batch_tokens or len(rows) == 1
+    start = worker.info.special_tokens["decoder_start"]
+    fed, got = [[start] for _ in docs], [[] for _ in docs]
+    for _ in range(4):
+        logits = worker.step(states, [f[-1] for f in fed])
+        for i, row in enumerate(logits):
+            got[i].append(row)
+            fed[i].append(int(row.argmax()))
+    assert dec.regroups == 1  # every group joined at the first step, in one assembly
+    for i, ids in enumerate(docs):
+        want = one_sequence_logits(model, ids, fed[i][:-1])
+        np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
 
 
 def test_a_batch_mostly_gone_is_compacted(summarizer):

@@ -1,4 +1,4 @@
-"""Device-side regrouping of a decode batch: two tiny ONNX graphs that ONNX Runtime runs on the
+"""Device-side regrouping of a decode batch: a tiny ONNX graph that ONNX Runtime runs on the
 model's own device, so that a sequence's cross-attention keys/values and KV cache never go back
 to the host when other sequences join or leave the batch (issue 24; vLLM keeps its KV blocks on
 the device and moves only block tables for the same reason).
@@ -7,11 +7,12 @@ the device and moves only block tables for the same reason).
                   (Slice and Pad only where the call crops or pads):
                   the rows of one source (the running batch, or a group of sequences just encoded),
                   cropped or zero-padded along one axis (cross: right-padded to the batch's longest
-                  encoder length; past: cropped on the left to its longest decoder length)
-    concat(m, k)  y_i = Concat(x_{0,i}, ..., x_{k-1,i}, axis=0): the sources side by side
+                  encoder length; past: cropped on the left to its longest decoder length); into
+                  new tensors, or in place into rows of buffers the caller holds (the batch's
+                  slots: a newcomer is written into its row and the other rows stay where they are)
 
 The graphs are written here as ONNX protobuf bytes (the serving install has no `onnx` package;
-tests/service/test_regroup.py checks these bytes with `onnx.checker` and the results against
+tests/service/test_device_decoder.py checks these bytes with `onnx.checker` and the results against
 NumPy). Serving never branches on the architecture: a graph is built per element type and count.
 """
 
@@ -84,17 +85,10 @@ def take_graph(dtype, rank: int, m: int, crop: bool = True, pad: bool = True) ->
     return _model(f"take{m}", nodes, inputs, [_value_info(f"y{i}", t, rank) for i in range(m)])
 
 
-def concat_graph(dtype, rank: int, m: int, k: int) -> bytes:
-    t = ELEM_TYPES[np.dtype(dtype)]
-    nodes = [_node("Concat", [f"x{j}_{i}" for j in range(k)], [f"y{i}"], axis=0) for i in range(m)]
-    inputs = [_value_info(f"x{j}_{i}", t, rank) for j in range(k) for i in range(m)]
-    return _model(f"concat{m}x{k}", nodes, inputs, [_value_info(f"y{i}", t, rank) for i in range(m)])
-
-
 # --- the kernels on a device -------------------------------------------------------------------
 
 class Regroup:
-    """`take` and `concat` on OrtValues that live on one device (any execution provider: the CPU
+    """`take` on OrtValues that live on one device (any execution provider: the CPU
     provider runs the same code in tests). Sessions are built lazily per graph shape and kept.
     `moved` counts the bytes these kernels write on the device (device-to-device, never the host)."""
 
@@ -116,27 +110,43 @@ class Regroup:
             s = self._sessions[key] = self.ort.InferenceSession(build(), options, providers=self.providers)
         return s
 
-    def _run(self, session, inputs: dict, cpu_inputs: dict, n_out: int) -> list:
+    def _run(self, session, inputs: dict, cpu_inputs: dict, n_out: int, into: tuple | None = None) -> list:
         binding = session.io_binding()
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
         for name, value in cpu_inputs.items():
             binding.bind_cpu_input(name, value)
         for i in range(n_out):
-            binding.bind_output(f"y{i}", self.device_type, self.device_id)
+            if into is None:
+                binding.bind_output(f"y{i}", self.device_type, self.device_id)
+            else:  # written in place: (pointers, shape) into buffers the caller holds
+                binding.bind_output(f"y{i}", self.device_type, self.device_id, self.dtype.type, into[1], into[0][i])
         session.run_with_iobinding(binding)
         out = binding.get_outputs()
         self.moved += sum(int(np.prod(v.shape())) * self.dtype.itemsize for v in out)
         return out
 
+    def allocate(self, shape: list[int], n: int) -> list:
+        """n uninitialised tensors of `shape` on the device (slot buffers; see `take`'s `into`)."""
+        return [self.ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype.type, self.device_type,
+                                                               self.device_id) for _ in range(n)]
+
     def take(self, xs: list, rows: list[int], axis: int, start: int, stop: int, pad_before: int = 0,
-             pad_after: int = 0) -> list:
+             pad_after: int = 0, into: tuple[list[int], int] | None = None) -> list:
         """For each x (rank `rank`): x[rows][..., start:stop (on `axis`), ...] zero-padded on `axis`.
-        Every row in order, uncropped and unpadded, is the input itself: nothing is copied."""
+        Every row in order, uncropped and unpadded, is the input itself: nothing is copied.
+
+        `into` = (buffers, row): written in place into rows row .. row + len(rows) of
+        `buffers` (one per x, allocated by `allocate`, whose other rows are left as they are)."""
         shape = xs[0].shape()
         crop, pad = (start, stop) != (0, shape[axis]), bool(pad_before or pad_after)
-        if not crop and not pad and list(rows) == list(range(shape[0])):
+        if into is None and not crop and not pad and list(rows) == list(range(shape[0])):
             return list(xs)
+        if into is not None:
+            buffers, row = into
+            out_shape = [len(rows)] + list(buffers[0].shape()[1:])
+            row_bytes = int(np.prod(out_shape[1:])) * self.dtype.itemsize
+            into = ([b.data_ptr() + row * row_bytes for b in buffers], out_shape)
         session = self._session(("take", len(xs), crop, pad),
                                 lambda: take_graph(self.dtype, self.rank, len(xs), crop, pad))
         cpu = {"rows": np.asarray(rows, np.int64)}
@@ -146,12 +156,4 @@ class Regroup:
         if pad:
             cpu["pads"] = np.zeros(2 * self.rank, np.int64)
             cpu["pads"][axis], cpu["pads"][self.rank + axis] = pad_before, pad_after
-        return self._run(session, {f"x{i}": x for i, x in enumerate(xs)}, cpu, len(xs))
-
-    def concat(self, parts: list[list]) -> list:
-        """parts[j][i]: the i-th tensor of source j -> per i, the sources concatenated on axis 0."""
-        k, m = len(parts), len(parts[0])
-        if k == 1:
-            return list(parts[0])
-        session = self._session(("concat", m, k), lambda: concat_graph(self.dtype, self.rank, m, k))
-        return self._run(session, {f"x{j}_{i}": parts[j][i] for j in range(k) for i in range(m)}, {}, m)
+        return self._run(session, {f"x{i}": x for i, x in enumerate(xs)}, cpu, len(xs), into)

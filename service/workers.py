@@ -253,23 +253,28 @@ class DecodeState:
 
 @dataclass(eq=False)
 class _Batch:
-    """The running decode batch on the device, rows in `states` order."""
+    """The running decode batch on the device. Row r of every tensor is `states[r]`'s; a row whose
+    sequence left (`left`) is masked until a newcomer takes it over or the batch is compacted."""
 
-    states: tuple[DecodeState, ...]
+    states: list[DecodeState]
     ids: frozenset[int]
-    cross: list[Any]  # OrtValues (B, H, Se, D), right-padded; the encoder mask hides the padding
+    cross: list[Any]  # slot buffers, OrtValues (capacity, H, Se, D), right-padded; rows >= B unused
     past: list[Any]  # OrtValues (B, H, P, D), left-padded; the self mask hides the padding
     encoder_mask: Any  # OrtValue (B, Se) int64
     Se: int
     P: int
+
+    @property
+    def capacity(self) -> int:
+        return self.cross[0].shape()[0]
 
 
 class DeviceDecoder:
     """Iteration-level decoding with the decode state on the worker's device (issue 24). A
     sequence's cross-attention keys/values are written there by the encoder (`begin`: its outputs
     are bound to the device) and never cross to the host; its KV cache (`present_*`) is bound as
-    the next step's `past_*`. When sequences join or leave, the new batch is assembled on the
-    device by `Regroup` (gather the rows that stay, crop/pad, concatenate the newcomers); the host
+    the next step's `past_*`. The running batch keeps the cross state in slot buffers (`_assemble`):
+    a newcomer is written into a free row by `Regroup` on the device, the other rows stay; the host
     sends only per-step tensors: token ids, position ids, the self mask, and the encoder mask when
     the batch changes. `copied` counts the bytes sent to the device by kind, `regroup.moved` those
     written device-to-device. The same code runs on the CPU provider (the CPU worker) and CUDA."""
@@ -327,34 +332,46 @@ class DeviceDecoder:
                                                              self.device_id)
 
     def _assemble(self, states: list[DecodeState]) -> _Batch:
-        """The batch for `states`, built on the device: rows of the running batch first (in their
-        order), then the newcomers, group by group. Rows that left ride along unless they are at
-        least as many as the live ones: a join then costs one copy of the batch (Concat), a leave
-        none, and a compaction (Gather) happens only when half the batch is gone."""
+        """The batch for `states` (the running batch's rows, newcomers from `begin`). The cross
+        keys/values live in slot buffers with room for `capacity` rows: a newcomer is written into
+        the row of a sequence that left, or the next free row, and nothing else is copied (the
+        step reads the first B rows in place). All live rows are copied, in order, only when the
+        buffers are rebuilt: the batch outgrows them (to the next power of two), a newcomer's
+        encoder length is longer than theirs, or at least half the rows have left."""
         old = self._batch
         wanted = {id(s) for s in states}
-        rows = {id(s): r for r, s in enumerate(old.states)} if old else {}
-        new = [s for s in states if id(s) not in rows]
+        new = [s for s in states if old is None or id(s) not in old.ids]
         if any(s.group is None for s in new):
             raise ValueError("a sequence that left the decode batch cannot rejoin it (its state was freed)")
-        live = [s for s in (old.states if old else ()) if id(s) in wanted]
-        dead = len(rows) - len(live)
-        stay = list(old.states) if old and dead < max(1, len(live)) else live
-        groups = list({id(s.group): s.group for s in new}.values())
-        order = stay + [s for g in groups for s in new if s.group is g]
-        Se = max(len(s.encoder_mask) for s in order)
-        cross_parts = []
-        if stay:
-            cross_parts.append(self.regroup.take(old.cross, [rows[id(s)] for s in stay], 2, 0, min(old.Se, Se),
-                                                 pad_after=max(0, Se - old.Se)))
-        for g in groups:
-            cross_parts.append(self.regroup.take(g.cross, [s.row for s in new if s.group is g], 2, 0, g.length,
-                                                 pad_after=Se - g.length))
-        cross = self.regroup.concat(cross_parts)
-        P = max((s.length for s in live), default=0)  # rows that left need no past: any values do
-        if stay:  # newcomers have no past either: their rows repeat one, the self mask hides them all
-            keep = [rows[id(s)] for s in stay] + [rows[id(stay[0])]] * len(new)
-            past = self.regroup.take(old.past, keep, 2, old.P - P, old.P)
+        rows = list(old.states) if old else []  # row -> its sequence, those that left included
+        at = {id(s): r for r, s in enumerate(rows)}
+        stay = [s for s in rows if id(s) in wanted]
+        free = [r for r, s in enumerate(rows) if id(s) not in wanted]
+        B = len(rows) + max(0, len(new) - len(free))  # newcomers take over rows that left, then append
+        Se = max(len(s.encoder_mask) for s in stay + new)
+        if (old is None or B > old.capacity or Se > old.Se
+                or len(free) - len(new) >= max(1, len(stay) + len(new))):  # rebuilt: live rows first, in order
+            order, targets = stay + new, list(range(len(stay), len(stay) + len(new)))
+            cross = self.regroup.allocate([1 << (len(order) - 1).bit_length(), self.heads, Se, self.head_dim],
+                                          len(self.kv))
+            if stay:
+                self.regroup.take(old.cross, [at[id(s)] for s in stay], 2, 0, min(old.Se, Se),
+                                  pad_after=max(0, Se - old.Se), into=(cross, 0))
+            source = [at[id(s)] for s in stay] + [at[id(stay[0])] if stay else 0] * len(new)  # past rows
+        else:  # in place
+            Se, cross = old.Se, old.cross
+            order = rows + [None] * (B - len(rows))
+            targets = (free + list(range(len(rows), B)))[: len(new)]
+            for r, s in zip(targets, new):
+                order[r] = s
+            source = [min(r, len(rows) - 1) for r in range(B)]  # a newcomer's row: any past, masked
+        for g in {id(s.group): s.group for s in new}.values():  # each newcomer into its row
+            for r, s in zip(targets, new):
+                if s.group is g:
+                    self.regroup.take(g.cross, [s.row], 2, 0, g.length, pad_after=Se - g.length, into=(cross, r))
+        P = max((s.length for s in stay), default=0)  # rows that left need no past: any values do
+        if stay:  # newcomers have no past either: the self mask hides their rows
+            past = self.regroup.take(old.past, source, 2, old.P - P, old.P)
         else:
             past = [self._upload("past", np.zeros((len(order), self.heads, 0, self.head_dim), self.model.float_type))
                     for _ in self.kv]
@@ -364,7 +381,7 @@ class DeviceDecoder:
         for s in new:
             s.group = None
         self.regroups += 1
-        return _Batch(tuple(order), frozenset(map(id, order)), cross, past, self._upload("masks", enc_mask), Se, P)
+        return _Batch(order, frozenset(map(id, order)), cross, past, self._upload("masks", enc_mask), Se, P)
 
     def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
         """One decoder step for `states` (any order; newcomers from `begin` join here, absent ones
@@ -395,9 +412,11 @@ class DeviceDecoder:
             binding.bind_cpu_input(name, value)
             self.copied["step_inputs"] += value.nbytes
         binding.bind_ortvalue_input("encoder_mask", b.encoder_mask)
+        view = [B, self.heads, b.Se, self.head_dim]  # the first B rows of the slot buffers, in place
         for name, past, cross in zip(self.kv, b.past, b.cross):
             binding.bind_ortvalue_input(f"past_{name}", past)
-            binding.bind_ortvalue_input(f"cross_{name}", cross)
+            binding.bind_input(f"cross_{name}", self.device_type, self.device_id, self.model.float_type, view,
+                               cross.data_ptr())
         binding.bind_output("logits", "cpu")
         for name in self.kv:
             binding.bind_output(f"present_{name}", self.device_type, self.device_id)

@@ -20,7 +20,7 @@ from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.batching import budget_groups
 from longdoc.service.metrics import Metrics
-from longdoc.service.regroup import Regroup, concat_graph, take_graph
+from longdoc.service.regroup import Regroup, take_graph
 from longdoc.service.workers import OnnxWorker
 from longdoc.testing.fake_worker import FakeWorker
 from tests.service.test_decode_parity import document_ids, reference, scheduled, text_of
@@ -41,13 +41,13 @@ def summarizer(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
 def test_regroup_graphs_are_valid_onnx(dtype):
-    for graph in (take_graph(dtype, 4, 3), concat_graph(dtype, 4, 3, 2), take_graph(dtype, 2, 1, crop=False),
+    for graph in (take_graph(dtype, 4, 3), take_graph(dtype, 2, 1, crop=False),
                   take_graph(dtype, 4, 2, pad=False), take_graph(dtype, 4, 1, crop=False, pad=False)):
         onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_take_and_concat_are_numpy_indexing(dtype):
+def test_take_is_numpy_indexing(dtype):
     rng = np.random.default_rng(0)
     k = Regroup(dtype, 4, ["CPUExecutionProvider"], "cpu")
     a, b = (rng.standard_normal(s).astype(dtype) for s in ((3, 2, 5, 4), (2, 2, 7, 4)))
@@ -56,16 +56,33 @@ def test_take_and_concat_are_numpy_indexing(dtype):
     y = k.take([dev[0]], [2, 0, 2], 2, 1, 5, pad_after=3)[0].numpy()
     want = np.pad(a[[2, 0, 2]][:, :, 1:5], ((0, 0), (0, 0), (0, 3), (0, 0)))
     np.testing.assert_array_equal(y, want)
-    # two tensors at once, left padding, then the sources side by side
+    # two tensors at once, left padding
     ya, yb = k.take([dev[0], dev[0]], [1], 2, 0, 5, pad_before=2)
     np.testing.assert_array_equal(ya.numpy(), np.pad(a[[1]], ((0, 0), (0, 0), (2, 0), (0, 0))))
     assert k.take(dev, [0, 1, 2], 2, 0, 5) == dev  # all rows, as they are: no copy
     np.testing.assert_array_equal(k.take([dev[0]], [1, 2], 2, 0, 5)[0].numpy(), a[1:])  # Gather alone
     np.testing.assert_array_equal(k.take([dev[0]], [0, 1, 2], 2, 2, 5)[0].numpy(), a[:, :, 2:])  # Slice, no Pad
-    head = k.take([dev[0]], [0, 1], 2, 0, 5, pad_after=2)[0]
-    both = k.concat([[head], [dev[1]]])[0].numpy()
-    np.testing.assert_array_equal(both, np.concatenate([np.pad(a[:2], ((0, 0), (0, 0), (0, 2), (0, 0))), b]))
-    assert k.moved == sum(x.nbytes for x in (y, ya.numpy(), yb.numpy(), a[1:], a[:, :, 2:], head.numpy(), both))
+    assert k.moved == sum(x.nbytes for x in (y, ya.numpy(), yb.numpy(), a[1:], a[:, :, 2:]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_take_into_writes_its_rows_in_place(dtype):
+    """`take(..., into=(buffers, row))` writes rows row.. of preallocated buffers and nothing else."""
+    rng = np.random.default_rng(1)
+    k = Regroup(dtype, 4, ["CPUExecutionProvider"], "cpu")
+    a = rng.standard_normal((3, 2, 5, 4)).astype(dtype)
+    src = [ort.OrtValue.ortvalue_from_numpy(a), ort.OrtValue.ortvalue_from_numpy(-a)]
+    bufs = k.allocate([4, 2, 7, 4], 2)
+    k.take(src, [0, 1, 2], 2, 0, 5, pad_after=2, into=(bufs, 0))  # all rows, padded to 7
+    before = [b.numpy().copy() for b in bufs]
+    moved = k.moved
+    k.take(src, [1], 2, 1, 5, pad_after=3, into=(bufs, 3))  # one row, cropped and padded, into row 3
+    assert k.moved - moved == 2 * a[0].size // 5 * 7 * np.dtype(dtype).itemsize
+    for sign, b, was in zip((1, -1), bufs, before):
+        y = b.numpy()
+        np.testing.assert_array_equal(y[:3], was[:3])  # the other rows as they were
+        np.testing.assert_array_equal(y[:3], sign * np.pad(a, ((0, 0), (0, 0), (0, 2), (0, 0))))
+        np.testing.assert_array_equal(y[3], sign * np.pad(a[1][:, 1:5], ((0, 0), (0, 3), (0, 0))))
 
 
 # --- the worker ---------------------------------------------------------------------------------
@@ -150,6 +167,50 @@ def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
             got[i].append(row)
             fed[i].append(int(row.argmax()))
     assert dec.regroups == 1  # every group joined at the first step, in one assembly
+    for i, ids in enumerate(docs):
+        want = one_sequence_logits(model, ids, fed[i][:-1])
+        np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_a_join_writes_only_the_newcomers_cross_state(summarizer):
+    """The running batch's cross keys/values live in slot buffers: a newcomer is written into a
+    free row (the row of a sequence that left first) and the rows already there are not copied
+    again; each row still decodes as its sequence alone would."""
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in (90, 60, 75, 40, 50)]
+    start = worker.info.special_tokens["decoder_start"]
+    states = worker.begin(docs[:3]) + worker.begin(docs[3:4]) + worker.begin(docs[4:])
+    fed = {i: [start] for i in range(5)}
+    got = {i: [] for i in range(5)}
+    item = model.float_type(0).itemsize
+
+    def step(live):
+        logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
+        for i, row in zip(live, logits):
+            got[i].append(row)
+            fed[i].append(int(row.argmax()))
+
+    for _ in range(2):
+        step([0, 1, 2])  # three rows: buffers with room for four
+    b = dec._batch
+    assert len(b.states) == 3
+    buffers = [v.data_ptr() for v in b.cross]
+    row_bytes = dec.heads * b.Se * dec.head_dim * item * len(dec.kv)  # one sequence's cross state
+    past_bytes = lambda rows, P: rows * dec.heads * P * dec.head_dim * item * len(dec.kv)  # noqa: E731
+
+    moved = dec.regroup.moved
+    step([0, 1, 2, 3])  # a join: the newcomer's row, and the (small) self-attention cache of 4 rows
+    assert dec.regroup.moved - moved == row_bytes + past_bytes(4, 2)
+    assert [v.data_ptr() for v in dec._batch.cross] == buffers and dec._batch.states[3] is states[3]
+    step([0, 2, 3])  # 1 leaves: its row is masked, nothing moves
+    moved = dec.regroup.moved
+    step([0, 2, 3, 4])  # 4 takes over 1's row
+    assert dec._batch.states[1] is states[4] and len(dec._batch.states) == 4
+    assert dec.regroup.moved - moved == row_bytes  # the batch did not grow: the cache stays as it is
+    assert [v.data_ptr() for v in dec._batch.cross] == buffers
+    step([0, 2, 3, 4])
+    assert dec._batch.capacity == 4
     for i, ids in enumerate(docs):
         want = one_sequence_logits(model, ids, fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)

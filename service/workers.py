@@ -333,44 +333,52 @@ class DeviceDecoder:
 
     def _assemble(self, states: list[DecodeState]) -> _Batch:
         """The batch for `states` (the running batch's rows, newcomers from `begin`). The cross
-        keys/values live in slot buffers with room for `capacity` rows: a newcomer is written into
-        the row of a sequence that left, or the next free row, and nothing else is copied (the
-        step reads the first B rows in place). All live rows are copied, in order, only when the
-        buffers are rebuilt: the batch outgrows them (to the next power of two), a newcomer's
-        encoder length is longer than theirs, or at least half the rows have left."""
+        keys/values live in slot buffers with room for `capacity` rows, and the step reads the
+        first B rows in place. A newcomer is written into the row of a sequence that left, else
+        the next row, and nothing else is copied; once as many rows have left as are live, the
+        live rows past the first ones move down into rows that left (one row copy each). All
+        live rows are copied, into new buffers, only when the batch outgrows them (to the next
+        power of two) or a newcomer's encoder length is longer than theirs."""
         old = self._batch
         wanted = {id(s) for s in states}
         new = [s for s in states if old is None or id(s) not in old.ids]
         if any(s.group is None for s in new):
             raise ValueError("a sequence that left the decode batch cannot rejoin it (its state was freed)")
         rows = list(old.states) if old else []  # row -> its sequence, those that left included
-        at = {id(s): r for r, s in enumerate(rows)}
+        at = {id(s): r for r, s in enumerate(rows)}  # the rows of the batch's tensors now
         stay = [s for s in rows if id(s) in wanted]
-        free = [r for r, s in enumerate(rows) if id(s) not in wanted]
-        B = len(rows) + max(0, len(new) - len(free))  # newcomers take over rows that left, then append
         Se = max(len(s.encoder_mask) for s in stay + new)
-        if (old is None or B > old.capacity or Se > old.Se
-                or len(free) - len(new) >= max(1, len(stay) + len(new))):  # rebuilt: live rows first, in order
-            order, targets = stay + new, list(range(len(stay), len(stay) + len(new)))
-            cross = self.regroup.allocate([1 << (len(order) - 1).bit_length(), self.heads, Se, self.head_dim],
-                                          len(self.kv))
+        order: list = [s if id(s) in wanted else None for s in rows]  # None: a row that left
+        for s in new:  # newcomers take over rows that left, then append
+            hole = next((r for r, x in enumerate(order) if x is None), len(order))
+            order[hole:hole + 1] = [s]
+        live = len(stay) + len(new)
+        if len(order) - live >= max(1, live):  # compacted: the live rows past `live` move down
+            tops = [r for r in range(live, len(order)) if order[r] is not None]
+            for hole, top in zip([r for r in range(live) if order[r] is None], tops):
+                order[hole] = order[top]
+            order = order[:live]
+        if old is not None and len(order) <= old.capacity and Se <= old.Se:  # in place
+            Se, cross = old.Se, old.cross
+            moved = [(at[id(s)], r) for r, s in enumerate(order) if s in stay and at[id(s)] != r]
+            for src, dst in moved:  # into rows that left: source and destination never overlap
+                self.regroup.take(cross, [src], 2, 0, Se, into=(cross, dst))
+            order = [x if x is not None else rows[r] for r, x in enumerate(order)]  # left rows stay, masked
+        else:  # new buffers: the live rows first, in order, then the newcomers
+            order = stay + new
+            capacity = max(1 << (len(order) - 1).bit_length(), old.capacity if old else 1)
+            cross = self.regroup.allocate([capacity, self.heads, Se, self.head_dim], len(self.kv))
             if stay:
                 self.regroup.take(old.cross, [at[id(s)] for s in stay], 2, 0, min(old.Se, Se),
                                   pad_after=max(0, Se - old.Se), into=(cross, 0))
-            source = [at[id(s)] for s in stay] + [at[id(stay[0])] if stay else 0] * len(new)  # past rows
-        else:  # in place
-            Se, cross = old.Se, old.cross
-            order = rows + [None] * (B - len(rows))
-            targets = (free + list(range(len(rows), B)))[: len(new)]
-            for r, s in zip(targets, new):
-                order[r] = s
-            source = [min(r, len(rows) - 1) for r in range(B)]  # a newcomer's row: any past, masked
-        for g in {id(s.group): s.group for s in new}.values():  # each newcomer into its row
-            for r, s in zip(targets, new):
-                if s.group is g:
-                    self.regroup.take(g.cross, [s.row], 2, 0, g.length, pad_after=Se - g.length, into=(cross, r))
+        for r, s in enumerate(order):  # each newcomer into its row
+            if s in new:
+                g = s.group
+                self.regroup.take(g.cross, [s.row], 2, 0, g.length, pad_after=Se - g.length, into=(cross, r))
         P = max((s.length for s in stay), default=0)  # rows that left need no past: any values do
-        if stay:  # newcomers have no past either: the self mask hides their rows
+        if stay:  # newcomers have no past either: any row's will do (its own, if it had one), masked
+            source = [at[id(s)] if id(s) in at else r if r < len(rows) else at[id(stay[0])]
+                      for r, s in enumerate(order)]
             past = self.regroup.take(old.past, source, 2, old.P - P, old.P)
         else:
             past = [self._upload("past", np.zeros((len(order), self.heads, 0, self.head_dim), self.model.float_type))

@@ -226,13 +226,20 @@ def test_a_batch_mostly_gone_is_compacted(summarizer):
     states = worker.begin(docs)
     fed, got = [start], []  # the last sequence's tokens and logits
     tokens = {id(s): start for s in states}
+    moves = []
     for live in [states] * 2 + [states[1:]] + [states[3:]] * 3:
+        moved = dec.regroup.moved
         logits = worker.step(live, [tokens[id(s)] for s in live])
+        moves.append(dec.regroup.moved - moved)
         for s, row in zip(live, logits):
             tokens[id(s)] = int(row.argmax())
         got.append(logits[-1])
         fed.append(tokens[id(states[3])])
     assert len(dec._batch.states) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
+    row_bytes = dec.heads * dec._batch.Se * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
+    past_bytes = dec.heads * 3 * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)  # one row, 3 steps in
+    assert moves[3] == row_bytes + past_bytes  # the last row moved down into the first: one row's copy
+    assert dec._batch.capacity == 4  # the buffers stay, for the rows to come
     want = one_sequence_logits(model, docs[3], fed[:-1])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 

@@ -250,6 +250,12 @@ class DecodeState:
     length: int = 0  # decoder tokens fed so far (= its next position id)
     left: bool = False  # a step ran without it: it has left the batch for good
 
+    @property
+    def encoder_length(self) -> int:
+        """Its encoder positions up to the last real token: the part of its cross state a batch
+        keeps (a group's shorter sequences are padded to its longest)."""
+        return int(np.flatnonzero(self.encoder_mask)[-1]) + 1
+
 
 @dataclass(eq=False)
 class _Batch:
@@ -338,7 +344,8 @@ class DeviceDecoder:
         the next row, and nothing else is copied; once as many rows have left as are live, the
         live rows past the first ones move down into rows that left (one row copy each). All
         live rows are copied, into new buffers, only when the batch outgrows them (to the next
-        power of two) or a newcomer's encoder length is longer than theirs."""
+        power of two), a newcomer's encoder length is longer than theirs, or the longest live
+        sequence needs at most half their length (every step reads the whole length)."""
         old = self._batch
         wanted = {id(s) for s in states}
         new = [s for s in states if old is None or id(s) not in old.ids]
@@ -347,7 +354,7 @@ class DeviceDecoder:
         rows = list(old.states) if old else []  # row -> its sequence, those that left included
         at = {id(s): r for r, s in enumerate(rows)}  # the rows of the batch's tensors now
         stay = [s for s in rows if id(s) in wanted]
-        Se = max(len(s.encoder_mask) for s in stay + new)
+        Se = max(s.encoder_length for s in stay + new)
         order: list = [s if id(s) in wanted else None for s in rows]  # None: a row that left
         for s in new:  # newcomers take over rows that left, then append
             hole = next((r for r, x in enumerate(order) if x is None), len(order))
@@ -358,7 +365,7 @@ class DeviceDecoder:
             for hole, top in zip([r for r in range(live) if order[r] is None], tops):
                 order[hole] = order[top]
             order = order[:live]
-        if old is not None and len(order) <= old.capacity and Se <= old.Se:  # in place
+        if old is not None and len(order) <= old.capacity and old.Se // 2 < Se <= old.Se:  # in place
             Se, cross = old.Se, old.cross
             moved = [(at[id(s)], r) for r, s in enumerate(order) if s in stay and at[id(s)] != r]
             for src, dst in moved:  # into rows that left: source and destination never overlap
@@ -373,8 +380,8 @@ class DeviceDecoder:
                                   pad_after=max(0, Se - old.Se), into=(cross, 0))
         for r, s in enumerate(order):  # each newcomer into its row
             if s in new:
-                g = s.group
-                self.regroup.take(g.cross, [s.row], 2, 0, g.length, pad_after=Se - g.length, into=(cross, r))
+                n = s.encoder_length
+                self.regroup.take(s.group.cross, [s.row], 2, 0, n, pad_after=Se - n, into=(cross, r))
         P = max((s.length for s in stay), default=0)  # rows that left need no past: any values do
         if stay:  # newcomers have no past either: any row's will do (its own, if it had one), masked
             source = [at[id(s)] if id(s) in at else r if r < len(rows) else at[id(stay[0])]
@@ -385,7 +392,8 @@ class DeviceDecoder:
                     for _ in self.kv]
         enc_mask = np.zeros((len(order), Se), np.int64)  # (B, Se)
         for i, s in enumerate(order):
-            enc_mask[i, : len(s.encoder_mask)] = s.encoder_mask
+            n = min(Se, len(s.encoder_mask))  # a row that left may be longer than the rebuilt buffers: it is masked
+            enc_mask[i, :n] = s.encoder_mask[:n]
         for s in new:
             s.group = None
         self.regroups += 1

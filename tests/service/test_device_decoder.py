@@ -121,7 +121,7 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         sent = sum(dec.copied.values()) - before
         B, P = len(dec._batch.states), dec._batch.P - 1  # rows (those that left ride along), past length
         per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
-        masks = 8 * B * max(len(s.encoder_mask) for s in dec._batch.states)
+        masks = 8 * B * dec._batch.Se
         assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
         assert sent < cross_bytes / 4
         if step == 3:  # the join was assembled on the device
@@ -213,6 +213,29 @@ def test_a_join_writes_only_the_newcomers_cross_state(summarizer):
     assert dec._batch.capacity == 4
     for i, ids in enumerate(docs):
         want = one_sequence_logits(model, ids, fed[i][:-1])
+        np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
+    """A long document leaves; a short one joins: the slot buffers are rebuilt at the short
+    sequences' length (every step reads the buffers' whole encoder length; a sequence encoded with
+    the long one keeps only its own positions), and each row still decodes as it would alone."""
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in (300, 40, 50)]
+    start = worker.info.special_tokens["decoder_start"]
+    states = worker.begin(docs[:2]) + worker.begin(docs[2:])
+    fed, got = {i: [start] for i in range(3)}, {i: [] for i in range(3)}
+    for live in [(0, 1)] * 2 + [(1, 2)] * 3:
+        logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
+        for i, row in zip(live, logits):
+            got[i].append(row)
+            fed[i].append(int(row.argmax()))
+        if live == (0, 1):
+            long_se = dec._batch.Se
+    assert dec._batch.Se == max(s.encoder_length for s in states[1:]) <= long_se // 2
+    for i in (1, 2):
+        want = one_sequence_logits(model, docs[i], fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,3 +54,15 @@ def length_axes(axes) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
+
+
+def time_it(run, reps: int, warmups: int = 2) -> float:
+    """Median seconds of `reps` runs after `warmups` (run() returns when the result is on the host)."""
+    for _ in range(warmups):
+        run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -19,20 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-from common import command_line, log
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of `reps` calls."""
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from common import command_line, log, time_it
 
 
 def main() -> int:
@@ -61,7 +50,7 @@ def main() -> int:
 
     def encode(budget: int) -> float:
         worker.max_batch_tokens = budget
-        return timed(lambda: worker.begin([doc] * a.group), 1) / a.group
+        return time_it(lambda: worker.begin([doc] * a.group), 1, warmups=0) / a.group
 
     one_batch, one_at_a_time = [], []
     for r in range(a.rounds):
@@ -81,13 +70,13 @@ def main() -> int:
     joins_one, joins_all, steps_full = [], [], []
     for r in range(a.rounds):
         log(f"join and step, round {r + 1}")
-        joins_one.append(timed(write_one, 3))
-        joins_all.append(timed(copy_all, 3))
-        steps_full.append(timed(lambda: worker.step(states, [start] * a.batch), 3))
+        joins_one.append(time_it(write_one, 3, warmups=0))
+        joins_all.append(time_it(copy_all, 3, warmups=0))
+        steps_full.append(time_it(lambda: worker.step(states, [start] * a.batch), 3, warmups=0))
     worker.release()
     alone = worker.begin([doc])
     worker.step(alone, [start])
-    steps_one = [timed(lambda: worker.step(alone, [start]), 3) for _ in range(a.rounds)]
+    steps_one = [time_it(lambda: worker.step(alone, [start]), 3, warmups=0) for _ in range(a.rounds)]
     worker.release()
 
     ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import log
+from common import log, time_it
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "hf", "service", "pegasus", "summarize")
@@ -75,17 +75,6 @@ def qa_batch(B: int, S: int, seed: int = 0):
     types = np.zeros_like(ids)
     types[:, 10:] = 1
     return ids, np.ones_like(ids), types
-
-
-def time_it(run, reps: int) -> float:
-    """Median seconds of `reps` runs after two warm-ups (run() returns when the result is on the host)."""
-    run(), run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # --- phases (child processes) ------------------------------------------------------------------

@@ -222,6 +222,17 @@ def test_the_host_path_table_in_the_docs_is_the_results_file():
     assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()
 
 
+def test_the_host_path_rerun_in_the_docs_is_its_results_file():
+    summary = json.loads((ROOT / "docs" / "host_path-2026-11-27.json").read_text())["summary"]
+    row = {(r["mode"], r["cores"]): r for r in summary}
+    one, two, threads = row["pool", 1], row["pool", 2], row["threads", 2]
+    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
+    assert (f"pool 2 cores / 1 core = **{two['vs_1_core']:.2f}x** ({two['docs_per_s']:.1f} against "
+            f"{one['docs_per_s']:.1f} docs/s, {two['server_cores_busy']:.2f} cores busy, "
+            f"{two['loop_cpu_ms_per_doc']:.1f} ms of event-loop CPU per document; threads "
+            f"{threads['vs_1_core']:.2f}x)") in text
+
+
 def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
     """docs/service.md's interleaved comparison of the pool driven by the event loop against the
     executor it replaced states each round's event-loop CPU per document and docs/s as the

@@ -142,9 +142,11 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-def create_app(settings: Settings | None = None, worker_factory: WorkerFactory | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, worker_factory: WorkerFactory | None = None,
+               engine: str | None = None) -> FastAPI:
+    """`engine`: a front end's (service/frontends.py), the engine process's socket."""
     settings = settings or Settings()
-    service = Service(settings, worker_factory or onnx_worker_factory)
+    service = Service(settings, worker_factory or onnx_worker_factory, engine=engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

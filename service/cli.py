@@ -7,6 +7,7 @@ shown, so a new setting is reachable by flag and by variable without touching th
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 import typing
 
@@ -167,6 +168,38 @@ def check_port(host: str, port: int) -> None:
 def serve(args: argparse.Namespace, worker_factory=None) -> int:
     """`worker_factory`: create_app's (benchmarks serve a null engine through this same path)."""
     import logging
+
+    settings = build_settings(args)
+    check_models(settings)
+    check_port(settings.host, settings.port)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
+    if settings.front_ends > 1:  # one engine process, the front ends serve HTTP (service/frontends.py)
+        made = multiprocess_metrics_dir()  # before prometheus-client is imported
+        from longdoc.service.frontends import serve_front_ends
+
+        return serve_front_ends(settings, worker_factory, metrics_dir=made)
+    return run_http(settings, worker_factory)
+
+
+def multiprocess_metrics_dir() -> str | None:
+    """Metrics summed over the processes of `--front-ends`: prometheus-client reads
+    PROMETHEUS_MULTIPROC_DIR when it is imported, so this runs first. The user's directory if set,
+    else a new one (returned, to be removed at the end)."""
+    import os
+    import tempfile
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before the metrics directory was set")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = made = tempfile.mkdtemp(prefix="longdoc-metrics-")
+    return made
+
+
+def run_http(settings, worker_factory=None, engine: str | None = None, sockets: list | None = None) -> int:
+    """The app under uvicorn until SIGTERM/SIGINT and its drain. `engine`, `sockets`: a front
+    end's (the engine process's socket, the port bound with SO_REUSEPORT)."""
     import signal
 
     import uvicorn
@@ -174,12 +207,7 @@ def serve(args: argparse.Namespace, worker_factory=None) -> int:
     from longdoc.service.app import create_app
     from longdoc.service.connections import limited_protocol
 
-    settings = build_settings(args)
-    check_models(settings)
-    check_port(settings.host, settings.port)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
-    app = create_app(settings, worker_factory)
+    app = create_app(settings, worker_factory, engine=engine)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -204,7 +232,7 @@ def serve(args: argparse.Namespace, worker_factory=None) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -61,9 +61,14 @@ class Timing:
 class Service:
     """What the app's lifespan owns: models, engines, the host pool, readiness."""
 
-    def __init__(self, settings: Settings, worker_factory: WorkerFactory):
+    def __init__(self, settings: Settings, worker_factory: WorkerFactory, host: bool = True,
+                 engine: str | None = None):
+        """`host`: run the host pool (not in an engine process: its front ends do that work);
+        `engine`: a front end's, the engine process's socket (service/frontends.py): the models'
+        engines are remote, the workers are the engine's."""
         self.settings = settings
         self.worker_factory = worker_factory
+        self.with_host, self.engine_path, self.engine_client = host, engine, None
         # batch-token histogram up to the largest device budget, and at least 16384 so that a long
         # window that runs alone over a small (CPU) budget still lands in a finite bucket
         budget = max(settings.batch_tokens_for(d) for d in settings.devices)
@@ -84,6 +89,9 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
+        if self.engine_path is not None:
+            await self._start_front_end()
+            return
         for name, directory in s.models.items():
             slots = []
             for i, device in enumerate(s.devices):
@@ -116,14 +124,32 @@ class Service:
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
-        self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
-                               s.tokenizer_threads)
-        await asyncio.to_thread(self.host.start)
+        if self.with_host:
+            await self._start_host()
         self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
         log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
         self.ready = True
         self.metrics.refresh_ready()
         log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
+
+    async def _start_host(self) -> None:
+        s = self.settings
+        self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
+                               s.tokenizer_threads)
+        await asyncio.to_thread(self.host.start)
+
+    async def _start_front_end(self) -> None:
+        """A front end: the engine process's models, each behind a remote engine."""
+        from longdoc.service.frontends import EngineClient, remote_engine
+
+        self.engine_client, models, self.defaults = await EngineClient.connect(self.engine_path)
+        self.engine_client.on_health = self.metrics.refresh_ready
+        for name, (info, devices, bounds) in models.items():
+            self.models[name] = ServedModel(info, devices, remote_engine(self.engine_client, name, info.task), bounds)
+        await self._start_host()
+        self.ready = True
+        self.metrics.refresh_ready()
+        log.info("front end ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
 
     def _load(self, name: str, directory: Path, device: str) -> Worker:
         worker = self.worker_factory(name, directory, device, self.settings)
@@ -163,6 +189,8 @@ class Service:
             await m.engine.drain(max(0.0, self.drain_deadline - time.monotonic()))
         for m in self.models.values():
             await m.engine.close()
+        if self.engine_client is not None:
+            await self.engine_client.close()
         if self.host:
             self.host.shutdown()
 

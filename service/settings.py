@@ -115,6 +115,11 @@ class Settings(BaseSettings):
                                "it every keyed request from that client gets 429")
     auth_failure_burst: int = Field(10, ge=1, description="failed authentications one client may make at once")
 
+    front_ends: int = Field(
+        1, ge=1, description="HTTP front-end processes: over 1, that many processes serve HTTP on the port "
+                             "(parsing, validation, tokenization, answers) and send their batches to one "
+                             "engine process that runs the models (docs/service.md, \"Front ends\")")
+
     # lifecycle
     warmup: bool = Field(True, description="run each worker once at the maximum length before /readyz says yes")
     shutdown_grace_s: float = Field(30.0, ge=0, description="seconds to finish in-flight work on SIGTERM")

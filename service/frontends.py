@@ -1,0 +1,379 @@
+"""Several HTTP front ends, one engine (issue 24, item 2): `longdoc serve --front-ends N`.
+
+    engine process (this one):  models, workers, one batcher per model and device; no HTTP
+        ^ Unix socket, one per front end: submissions, tokens and results as framed pickles
+    N front-end processes:       HTTP, body checks, validation, tokenization, windows, answer
+                                 shaping, responses (the same app, its engines `Remote*`), all
+                                 listening on the port (SO_REUSEPORT: the kernel spreads the
+                                 connections over them)
+
+One process parses, validates, tokenizes and shapes every answer in front of the device otherwise
+(about 3 ms of its event loop per 4096-token QA document: one process tops out near 300 docs/s,
+docs/service.md "Host path"). Every submission still reaches the one batcher of its model, so
+batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
+backend, are split the same way.
+
+What a user sees does not change: the same API, errors (a `ServiceError` crosses as its class,
+message and headers), deadlines (the monotonic clock is the machine's), cancellation (a front end
+whose client goes away cancels its submission; a front end that dies cancels all of its),
+`/readyz` (a front end is ready when it is and the engine says it is), metrics (prometheus-client's
+multiprocess mode: every process writes to one directory and `/metrics` anywhere sums them) and
+the drain on SIGTERM (the engine forwards it, the front ends drain their requests, then the engine
+stops). A front end that exits otherwise is started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import signal
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from longdoc.service import errors
+from longdoc.service.batcher import RequestState
+from longdoc.service.errors import ServiceError, Unavailable
+
+log = logging.getLogger("longdoc.service")
+_FRAME = struct.Struct("!I")
+HEALTH_POLL_S = 0.5  # a front end asks the engine whether it is ready this often
+
+
+# --- the wire: framed pickles ----------------------------------------------------------------
+
+def send(writer: asyncio.StreamWriter, message: tuple) -> None:
+    """One frame, written at once (a frame is never interleaved with another)."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(_FRAME.pack(len(payload)) + payload)
+
+
+async def receive(reader: asyncio.StreamReader) -> tuple:
+    (n,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+    return pickle.loads(await reader.readexactly(n))
+
+
+def error_payload(exc: BaseException) -> tuple[str, str, dict, int]:
+    if isinstance(exc, ServiceError):
+        return type(exc).__name__, exc.message, dict(exc.headers), exc.status
+    return "ServiceError", "internal error", {}, 500
+
+
+def error_from(payload: tuple[str, str, dict, int]) -> ServiceError:
+    name, message, headers, status = payload
+    cls = getattr(errors, name, ServiceError)
+    exc = cls.__new__(cls)
+    ServiceError.__init__(exc, message, headers)
+    exc.status = status
+    return exc
+
+
+# --- the engine's side --------------------------------------------------------------------------
+
+class EngineServer:
+    """Serves the front ends' submissions to the service's engines (its batchers)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.server: asyncio.AbstractServer | None = None
+        self.connections = 0
+
+    async def start(self, path: Path) -> None:
+        self.server = await asyncio.start_unix_server(self._serve, path=str(path))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def hello(self) -> tuple:
+        s = self.service
+        return ("hello", {n: (m.info, m.devices, m.length_bounds) for n, m in s.models.items()}, s.defaults)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        running: dict[int, tuple[asyncio.Task, RequestState]] = {}
+        self.connections += 1
+        try:
+            send(writer, self.hello())
+            while True:
+                message = await receive(reader)
+                kind, rid = message[0], message[1]
+                if kind in ("encode", "decode"):
+                    state = RequestState(deadline=message[-1])
+                    task = asyncio.create_task(self._run(writer, kind, rid, state, *message[2:-1]))
+                    running[rid] = (task, state)
+                    task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
+                elif kind == "cancel":
+                    if rid in running:
+                        task, state = running[rid]
+                        state.cancelled = True
+                        task.cancel()
+                elif kind == "health":
+                    send(writer, ("health", rid, self.service.is_ready()))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the front end is gone: whatever it submitted is nobody's now
+        finally:
+            self.connections -= 1
+            for task, state in list(running.values()):
+                state.cancelled = True
+                task.cancel()
+            writer.close()
+
+    async def _run(self, writer, kind: str, rid: int, state: RequestState, model: str, *args) -> None:
+        try:
+            engine = self.service.models[model].engine
+            if kind == "encode":
+                send(writer, ("done", rid, await engine.submit(args[0], state)))
+                return
+            stream = await engine.submit(args[0], args[1], state)
+            try:
+                async for token in stream:
+                    send(writer, ("token", rid, token))
+            finally:
+                await stream.aclose()  # leaves the decode batch at its next step
+            send(writer, ("done", rid, None))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            if not isinstance(exc, ServiceError):
+                log.exception("engine: %s submission failed", kind)
+            if not writer.is_closing():
+                send(writer, ("error", rid, error_payload(exc)))
+
+
+# --- a front end's side -------------------------------------------------------------------------
+
+class EngineClient:
+    """A front end's connection to the engine: submissions by id, replies routed back to them."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.ids = itertools.count()
+        self.waiting: dict[int, asyncio.Queue] = {}
+        self.engine_ready = False
+        self.on_health: Callable[[], None] = lambda: None  # the engine's readiness changed (longdoc_ready)
+        self.lost = False
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def connect(cls, path: str) -> tuple[EngineClient, dict, dict]:
+        reader, writer = await asyncio.open_unix_connection(path)
+        _, models, defaults = await receive(reader)
+        client = cls(reader, writer)
+        client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._poll_health())]
+        return client, models, defaults
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                kind, rid, value = await receive(self.reader)
+                if kind == "health":
+                    if self.engine_ready != bool(value):
+                        self.engine_ready = bool(value)
+                        self.on_health()
+                    continue
+                queue = self.waiting.get(rid)
+                if queue is not None:
+                    queue.put_nowait((kind, value))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.lost, self.engine_ready = True, False
+            self.on_health()
+            for queue in self.waiting.values():  # the engine is gone: everything in flight fails
+                queue.put_nowait(("error", error_payload(Unavailable("the engine process is gone; retry",
+                                                                     {"Retry-After": "1"}))))
+
+    async def _poll_health(self) -> None:
+        while not self.lost:
+            send(self.writer, ("health", -1))
+            await asyncio.sleep(HEALTH_POLL_S)  # a period, not an ordering: /readyz follows within it
+
+    def open(self, message: tuple) -> tuple[int, asyncio.Queue]:
+        if self.lost:
+            raise Unavailable("the engine process is gone; retry", {"Retry-After": "1"})
+        rid = next(self.ids)
+        queue = self.waiting[rid] = asyncio.Queue()
+        send(self.writer, (message[0], rid, *message[1:]))
+        return rid, queue
+
+    def close_request(self, rid: int, cancel: bool) -> None:
+        self.waiting.pop(rid, None)
+        if cancel and not self.lost and not self.writer.is_closing():
+            send(self.writer, ("cancel", rid))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.writer.close()
+
+
+class RemoteEncoder:
+    """`EncoderBatcher.submit` across the socket: the engine's batcher for this model runs it."""
+
+    def __init__(self, client: EngineClient, model: str):
+        self.client, self.model = client, model
+
+    async def submit(self, sequences, request: RequestState) -> list:
+        rid, queue = self.client.open(("encode", self.model, sequences, request.deadline))
+        finished = False
+        try:
+            kind, value = await queue.get()
+            finished = True
+            if kind == "error":
+                raise error_from(value)
+            return value
+        finally:
+            self.client.close_request(rid, cancel=not finished)
+
+    def start(self) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return self.client.engine_ready
+
+    async def drain(self, grace_s: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class RemoteDecoder(RemoteEncoder):
+    """`DecodeScheduler.submit` across the socket: tokens as the engine's decode batch makes them."""
+
+    async def submit(self, input_ids, settings, request: RequestState) -> AsyncIterator[int]:
+        rid, queue = self.client.open(("decode", self.model, list(input_ids), settings, request.deadline))
+        return self._stream(rid, queue)
+
+    async def _stream(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[int]:
+        finished = False
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "token":
+                    yield value
+                    continue
+                finished = True
+                if kind == "error":
+                    raise error_from(value)
+                return
+        finally:  # done, failed, or its reader went away: the engine drops it at once
+            self.client.close_request(rid, cancel=not finished)
+
+
+def remote_engine(client: EngineClient, model: str, task: str) -> RemoteEncoder:
+    return (RemoteDecoder if task == "summarize" else RemoteEncoder)(client, model)
+
+
+# --- the processes --------------------------------------------------------------------------------
+
+def listening_socket(host: str, port: int):
+    """The front ends' socket: every front end binds the port (SO_REUSEPORT)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def front_end_main(settings_json: str, engine_path: str, index: int) -> None:
+    """A front end (a spawned process): the app with remote engines, HTTP on the shared port."""
+    from longdoc.service.cli import run_http
+    from longdoc.service.settings import Settings
+
+    settings = Settings.model_validate_json(settings_json)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[front end {index}]: %(message)s")
+    raise SystemExit(run_http(settings, None, engine=engine_path,
+                              sockets=[listening_socket(settings.host, settings.port)]))
+
+
+async def run_engine(settings, worker_factory) -> int:
+    """The engine process: load the models, serve the front ends, keep them running; on SIGTERM
+    or SIGINT, forward it, let the front ends drain, then stop."""
+    import multiprocessing
+
+    from prometheus_client import multiprocess
+
+    from longdoc.service.core import Service
+    from longdoc.service.workers import onnx_worker_factory
+
+    service = Service(settings, worker_factory or onnx_worker_factory, host=False)
+    server = EngineServer(service)
+    workdir = Path(tempfile.mkdtemp(prefix="longdoc-engine-"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        service.begin_drain(grace_s=0 if signals > 1 else None)
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM if signals == 1 else signal.SIGINT)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    ctx = multiprocessing.get_context("spawn")
+    processes: list = []
+    front = settings.model_copy(update={"front_ends": 1, "host_processes": 0}).model_dump_json()
+
+    def spawn(i: int):
+        p = ctx.Process(target=front_end_main, args=(front, str(workdir / "engine.sock"), i),
+                        name=f"longdoc-front-end-{i}", daemon=False)
+        p.start()
+        return p
+
+    async def keep(i: int) -> None:  # a front end that exits while the engine runs is started again
+        while True:
+            await asyncio.to_thread(processes[i].join)
+            if stop.is_set():
+                return
+            multiprocess.mark_process_dead(processes[i].pid)
+            log.error("front end %d (pid %d) exited with %s; starting it again", i, processes[i].pid,
+                      processes[i].exitcode)
+            processes[i] = spawn(i)
+
+    try:
+        await service.start()
+        await server.start(workdir / "engine.sock")
+        processes.extend(spawn(i) for i in range(settings.front_ends))
+        keepers = [asyncio.create_task(keep(i)) for i in range(settings.front_ends)]
+        log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host, settings.port)
+        await stop.wait()
+        log.info("engine: waiting for the front ends to drain")
+        deadline = time.monotonic() + settings.shutdown_grace_s + 10
+        for p in processes:  # the front ends drain (their grace), then exit; the engine serves them meanwhile
+            await asyncio.to_thread(p.join, max(0.0, deadline - time.monotonic()))
+        for t in keepers:
+            t.cancel()
+        return 0
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        server.close()
+        await service.stop()
+        for path in workdir.iterdir():
+            path.unlink()
+        workdir.rmdir()
+
+
+def serve_front_ends(settings, worker_factory=None, metrics_dir: str | None = None) -> int:
+    """`metrics_dir`: the metrics directory made for this run (service/cli.py
+    `multiprocess_metrics_dir`), removed at the end."""
+    import shutil
+
+    try:
+        return asyncio.run(run_engine(settings, worker_factory))
+    finally:
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

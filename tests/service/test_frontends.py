@@ -1,0 +1,225 @@
+"""`longdoc serve --front-ends N` (service/frontends.py, issue 24 item 2): front ends that do the
+HTTP and host work, one engine process with the models and batchers. In-process first (the engine's
+Service and its socket server in the test's loop, a front-end app in front of it): the same answers,
+errors and cancellation as the one-process app; then a real `longdoc serve --front-ends 2`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from longdoc.model.search import resolve_settings
+from longdoc.service.app import create_app
+from longdoc.service.batcher import RequestState
+from longdoc.service.core import Service
+from longdoc.service.errors import Overloaded, TooLarge, Unavailable
+from longdoc.service.frontends import EngineServer, error_from, error_payload
+from longdoc.service.settings import Settings
+from tests.service.conftest import ServeProcess, fake_factory, running_app, sse_events
+
+MODELS = {"qa": "qa", "cls": "classify", "sum": "summarize"}
+
+
+@contextlib.asynccontextmanager
+async def front_end(factory=None, **overrides):
+    """An engine (a Service without host pool, its EngineServer on a Unix socket) and a front-end
+    app connected to it, in this loop; yields (an httpx client of the front end, the engine)."""
+    overrides.setdefault("host_processes", 0)
+    settings = Settings(models=overrides.pop("models", MODELS), **overrides)
+    engine = Service(settings, factory or fake_factory(), host=False)
+    await engine.start()
+    server = EngineServer(engine)
+    workdir = Path(tempfile.mkdtemp(prefix="longdoc-fe-test-"))  # short: a socket path has 108 bytes
+    await server.start(workdir / "engine.sock")
+    try:
+        app = create_app(settings, engine=str(workdir / "engine.sock"))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                client.app = app
+                deadline = time.monotonic() + 10
+                while (await client.get("/readyz")).status_code != 200:  # the first health reply
+                    assert time.monotonic() < deadline, "the front end never became ready"
+                    await asyncio.sleep(0.01)
+                yield client, engine, server
+    finally:
+        server.close()
+        await engine.stop()
+        (workdir / "engine.sock").unlink(missing_ok=True)
+        workdir.rmdir()
+
+
+REQUESTS = [
+    ("/v1/qa", {"question": "where is the gold", "documents": ["the gold is in the cave", "nothing here"]}),
+    ("/v1/classify", {"documents": ["good good", "bad"]}),
+    ("/v1/summarize", {"document": "the gold is where the good map is", "max_new_tokens": 6}),
+    ("/v1/qa", {"question": "", "document": "x"}),  # 422
+    ("/v1/qa", {"question": "where", "document": "the gold", "model": "nope"}),  # 404
+]
+
+
+def test_a_front_end_answers_as_the_one_process_app():
+    async def answers(make):
+        async with make() as client:
+            client = client[0] if isinstance(client, tuple) else client
+            out = []
+            for path, body in REQUESTS:
+                r = await client.post(path, json=body)
+                out.append((r.status_code, r.json()))
+            async with client.stream("POST", "/v1/summarize", json={**REQUESTS[2][1], "stream": True}) as r:
+                out.append((r.status_code, sse_events([line async for line in r.aiter_lines()])))
+            return out
+
+    local, remote = asyncio.run(answers(running_app)), asyncio.run(answers(front_end))
+    assert [code for code, _ in local] == [200, 200, 200, 422, 404, 200]
+    assert remote == local
+
+
+def test_errors_cross_with_their_class_status_and_headers():
+    for exc in (Overloaded("queue full", 3), TooLarge("too large"), Unavailable("down", {"Retry-After": "1"})):
+        back = error_from(error_payload(exc))
+        assert (type(back), back.status, back.message, back.headers) == (type(exc), exc.status, exc.message,
+                                                                         exc.headers)
+    assert type(error_from(error_payload(RuntimeError("x")))).__name__ == "ServiceError"  # no internals leak
+
+
+def test_an_engine_admission_error_reaches_the_client_as_it_would_in_one_process():
+    async def answer(make):
+        async with make(max_queue_tokens=64) as client:
+            client = client[0] if isinstance(client, tuple) else client
+            r = await client.post("/v1/classify", json={"documents": [" ".join(["good"] * 200)]})
+            return r.status_code, r.json()
+
+    assert asyncio.run(answer(front_end)) == asyncio.run(answer(running_app))
+
+
+def test_a_cancelled_summary_leaves_the_engines_batch():
+    """The front end's client goes away mid-summary: the engine's job is cancelled and leaves the
+    decode batch at once (the worker is held at a gate meanwhile)."""
+    gate = threading.Event()
+    factory = fake_factory(summarize={"gate": gate, "summary_tokens": 50})
+
+    async def go():
+        async with front_end(factory, warmup=False) as (client, engine, _):
+            service = client.app.state.service
+            remote, scheduler = service.models["sum"].engine, engine.models["sum"].engine
+            settings = resolve_settings(service.models["sum"].info.generation, max_new_tokens=40)
+            tokens = [service.models["sum"].info.tokenizer.token_to_id(w) for w in ("gold", "good", "map")]
+            stream = await remote.submit(tokens, settings, RequestState(deadline=time.monotonic() + 60))
+            it = stream.__aiter__()
+            first = asyncio.ensure_future(anext(it))
+            assert await asyncio.to_thread(factory.made[-1].entered.wait, 10)  # the engine is stepping it
+            job = (scheduler.running or scheduler.pending)[0]
+            first.cancel()  # the client is gone
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            await it.aclose()
+            deadline = time.monotonic() + 10
+            while not job.request.cancelled:
+                assert time.monotonic() < deadline, "the engine never heard of the cancel"
+                await asyncio.sleep(0.01)
+            gate.set()
+            while scheduler.running or scheduler.pending:
+                assert time.monotonic() < deadline, "the job stayed in the batch"
+                await asyncio.sleep(0.01)
+            return job
+
+    job = asyncio.run(go())
+    gate.set()
+    assert len(job.sequence) < 40  # it did not run to its end
+
+
+def test_a_front_end_whose_engine_is_gone_is_not_ready_and_answers_503():
+    async def go():
+        async with front_end() as (client, engine, server):
+            server.server.close()
+            for task in asyncio.all_tasks():  # the engine's connection handlers: the engine process died
+                if getattr(task.get_coro(), "__qualname__", "").startswith("EngineServer._serve"):
+                    task.cancel()
+            deadline = time.monotonic() + 10
+            while (await client.get("/readyz")).status_code != 503:
+                assert time.monotonic() < deadline, "still ready"
+                await asyncio.sleep(0.01)
+            r = await client.post("/v1/classify", json={"documents": ["good"]})
+            return r.status_code, r.json()["error"]["type"]
+
+    assert asyncio.run(go()) == (503, "unavailable")
+
+
+def front_end_pids(engine_pid: int) -> list[int]:
+    """The engine's children that run a front end (spawned interpreters)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == engine_pid and b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
+    """A real `longdoc serve --front-ends 2`: concurrent requests on their own connections all
+    answered alike, /metrics summed over the processes, a killed front end started again, and
+    SIGTERM drains and exits 0, its metrics directory gone."""
+    from tests.service.test_e2e import metric
+
+    args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
+            "--front-ends", "2"]
+    made = lambda: set(Path(tempfile.gettempdir()).glob("longdoc-metrics-*"))  # noqa: E731
+    before = made()
+    with ServeProcess(args, tmp_path / "serve.log") as s:
+        body = {"question": "where is the gold", "document": "the gold is in the cave by the sea"}
+        results = [None] * 12
+
+        def ask(i):
+            with httpx.Client() as client:  # a connection each: the kernel spreads them over the front ends
+                results[i] = client.post(s.url + "/v1/qa", json=body, timeout=60)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in results] == [200] * 12
+        assert len({json.dumps(r.json()["results"]) for r in results}) == 1
+        with httpx.stream("POST", s.url + "/v1/summarize", json={"document": "the gold map", "stream": True,
+                                                                 "max_new_tokens": 5}, timeout=60) as r:
+            assert sse_events(r.iter_lines())[-1][0] == "done"
+        count = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
+                    if line.startswith('longdoc_request_duration_seconds_count{endpoint="qa"'))
+        assert count == 12  # each counted once, by the front end that answered it
+        assert metric(s.url, 'longdoc_batch_size_count{model="qa"}') >= 1  # the engine's, summed in
+        assert metric(s.url, "longdoc_ready") == 1
+
+        pids = front_end_pids(s.proc.pid)
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "starting it again" not in s.log_path.read_text() or len(front_end_pids(s.proc.pid)) < 2:
+            assert time.monotonic() < deadline, s.log_path.read_text()
+            time.sleep(0.1)  # polling another process's state with a deadline
+        for _ in range(6):
+            assert httpx.post(s.url + "/v1/qa", json=body, timeout=60).status_code == 200
+
+        assert len(made() - before) == 1  # the processes' metrics directory
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+    assert not front_end_pids(s.proc.pid) and made() == before
+
+
+def test_front_ends_must_be_at_least_one():
+    with pytest.raises(ValueError, match="front_ends"):
+        Settings(front_ends=0)

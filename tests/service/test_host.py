@@ -233,6 +233,19 @@ def test_the_host_path_rerun_in_the_docs_is_its_results_file():
             f"{threads['vs_1_core']:.2f}x)") in text
 
 
+def test_the_front_ends_table_in_the_docs_is_its_results_file():
+    from tests.bench_scripts import load_bench
+
+    bench = load_bench("host_path")
+    summary = json.loads((ROOT / "docs" / "host_path_front_ends.json").read_text())["summary"]
+    text = (ROOT / "docs" / "service.md").read_text()
+    assert bench.markdown_table(summary) in text
+    row = {r["mode"]: r for r in summary}
+    flat = " ".join(text.split())
+    assert (f"engine's event-loop CPU per document: {row['fe2']['loop_cpu_ms_per_doc']:.1f} ms against "
+            f"{row['pool']['loop_cpu_ms_per_doc']:.1f} ms") in flat
+
+
 def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
     """docs/service.md's interleaved comparison of the pool driven by the event loop against the
     executor it replaced states each round's event-loop CPU per document and docs/s as the

@@ -311,14 +311,18 @@ async def run_engine(settings, worker_factory) -> int:
     loop = asyncio.get_running_loop()
     signals = 0
 
-    def on_signal() -> None:
+    def on_signal() -> None:  # the first: drain (forwarded below, once the front ends exist); again: now
         nonlocal signals
         signals += 1
         service.begin_drain(grace_s=0 if signals > 1 else None)
+        if signals > 1:
+            forward(signal.SIGINT)  # a front end's second signal: what runs is answered 503 at once
+        stop.set()
+
+    def forward(sig) -> None:
         for p in processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM if signals == 1 else signal.SIGINT)
-        stop.set()
+                os.kill(p.pid, sig)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -349,6 +353,7 @@ async def run_engine(settings, worker_factory) -> int:
         keepers = [asyncio.create_task(keep(i)) for i in range(settings.front_ends)]
         log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host, settings.port)
         await stop.wait()
+        forward(signal.SIGTERM)
         log.info("engine: waiting for the front ends to drain")
         deadline = time.monotonic() + settings.shutdown_grace_s + 10
         for p in processes:  # the front ends drain (their grace), then exit; the engine serves them meanwhile

@@ -215,8 +215,27 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
             assert httpx.post(s.url + "/v1/qa", json=body, timeout=60).status_code == 200
 
         assert len(made() - before) == 1  # the processes' metrics directory
+
+        decoding, events, times = threading.Event(), [], []
+
+        def summarize():  # a long summary, decoding when the signal comes: drained to its end
+            with httpx.stream("POST", s.url + "/v1/summarize", timeout=60,
+                              json={"document": "the gold map", "stream": True, "max_new_tokens": 400}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        times.append(time.monotonic())
+                        decoding.set()
+                    events.append(line)
+
+        reader = threading.Thread(target=summarize)
+        reader.start()
+        assert decoding.wait(30)
+        sent = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
+        reader.join(60)
         assert s.proc.wait(60) == 0
+        assert sse_events(events)[-1][0] == "done" and times[-1] > sent  # it went on after the signal
+        assert sse_events(events)[-1][1]["results"][0]["generated_tokens"] > 50  # not over at once
     assert not front_end_pids(s.proc.pid) and made() == before
 
 

@@ -282,12 +282,11 @@ def listening_socket(host: str, port: int):
     return sock
 
 
-def front_end_main(settings_json: str, engine_path: str, index: int) -> None:
-    """A front end (a spawned process): the app with remote engines, HTTP on the shared port."""
+def front_end_main(settings, engine_path: str, index: int) -> None:
+    """A front end (a spawned process): the app with remote engines, HTTP on the shared port.
+    `settings` arrive pickled (API keys included: a JSON dump would mask them)."""
     from longdoc.service.cli import run_http
-    from longdoc.service.settings import Settings
 
-    settings = Settings.model_validate_json(settings_json)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[front end {index}]: %(message)s")
     raise SystemExit(run_http(settings, None, engine=engine_path,
@@ -328,7 +327,7 @@ async def run_engine(settings, worker_factory) -> int:
         loop.add_signal_handler(sig, on_signal)
     ctx = multiprocessing.get_context("spawn")
     processes: list = []
-    front = settings.model_copy(update={"front_ends": 1, "host_processes": 0}).model_dump_json()
+    front = settings.model_copy(update={"front_ends": 1, "host_processes": 0})
 
     def spawn(i: int):
         p = ctx.Process(target=front_end_main, args=(front, str(workdir / "engine.sock"), i),
@@ -347,7 +346,11 @@ async def run_engine(settings, worker_factory) -> int:
             processes[i] = spawn(i)
 
     try:
-        await service.start()
+        try:
+            await service.start()
+        except Exception:
+            log.exception("engine: the models did not start")
+            return 1
         await server.start(workdir / "engine.sock")
         processes.extend(spawn(i) for i in range(settings.front_ends))
         keepers = [asyncio.create_task(keep(i)) for i in range(settings.front_ends)]

@@ -180,12 +180,14 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
             "--front-ends", "2"]
     made = lambda: set(Path(tempfile.gettempdir()).glob("longdoc-metrics-*"))  # noqa: E731
     before = made()
-    with ServeProcess(args, tmp_path / "serve.log") as s:
+    key = {"Authorization": "Bearer k1"}  # the front ends get the engine's settings, keys included
+    with ServeProcess(args, tmp_path / "serve.log", env={"LONGDOC_API_KEYS": "k1"}) as s:
         body = {"question": "where is the gold", "document": "the gold is in the cave by the sea"}
         results = [None] * 12
+        assert httpx.post(s.url + "/v1/qa", json=body, timeout=60).status_code == 401
 
         def ask(i):
-            with httpx.Client() as client:  # a connection each: the kernel spreads them over the front ends
+            with httpx.Client(headers=key) as client:  # a connection each: the kernel spreads them
                 results[i] = client.post(s.url + "/v1/qa", json=body, timeout=60)
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
@@ -196,7 +198,7 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
         assert [r.status_code for r in results] == [200] * 12
         assert len({json.dumps(r.json()["results"]) for r in results}) == 1
         with httpx.stream("POST", s.url + "/v1/summarize", json={"document": "the gold map", "stream": True,
-                                                                 "max_new_tokens": 5}, timeout=60) as r:
+                                                                 "max_new_tokens": 5}, headers=key, timeout=60) as r:
             assert sse_events(r.iter_lines())[-1][0] == "done"
         count = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
                     if line.startswith('longdoc_request_duration_seconds_count{endpoint="qa"'))
@@ -212,14 +214,14 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
             assert time.monotonic() < deadline, s.log_path.read_text()
             time.sleep(0.1)  # polling another process's state with a deadline
         for _ in range(6):
-            assert httpx.post(s.url + "/v1/qa", json=body, timeout=60).status_code == 200
+            assert httpx.post(s.url + "/v1/qa", json=body, headers=key, timeout=60).status_code == 200
 
         assert len(made() - before) == 1  # the processes' metrics directory
 
         decoding, events, times = threading.Event(), [], []
 
         def summarize():  # a long summary, decoding when the signal comes: drained to its end
-            with httpx.stream("POST", s.url + "/v1/summarize", timeout=60,
+            with httpx.stream("POST", s.url + "/v1/summarize", timeout=60, headers=key,
                               json={"document": "the gold map", "stream": True, "max_new_tokens": 400}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):

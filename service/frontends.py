@@ -335,14 +335,26 @@ async def run_engine(settings, worker_factory) -> int:
         p.start()
         return p
 
-    async def keep(i: int) -> None:  # a front end that exits while the engine runs is started again
+    async def keep(i: int) -> None:
+        """A front end that exits while the engine runs is started again, after the workers'
+        restart back-off (doubling up to its maximum while it keeps failing within a minute)."""
+        backoff = settings.worker_restart_backoff_s
         while True:
+            started = time.monotonic()
             await asyncio.to_thread(processes[i].join)
             if stop.is_set():
                 return
             multiprocess.mark_process_dead(processes[i].pid)
-            log.error("front end %d (pid %d) exited with %s; starting it again", i, processes[i].pid,
-                      processes[i].exitcode)
+            if time.monotonic() - started > 60:
+                backoff = settings.worker_restart_backoff_s
+            log.error("front end %d (pid %d) exited with %s; starting it again in %.1f s", i, processes[i].pid,
+                      processes[i].exitcode, backoff)
+            try:
+                await asyncio.wait_for(stop.wait(), backoff)
+                return  # shutting down meanwhile
+            except TimeoutError:
+                pass
+            backoff = min(2 * backoff, settings.worker_restart_max_backoff_s)
             processes[i] = spawn(i)
 
     try:

@@ -81,7 +81,6 @@ class EngineServer:
     def __init__(self, service):
         self.service = service
         self.server: asyncio.AbstractServer | None = None
-        self.connections = 0
 
     async def start(self, path: Path) -> None:
         self.server = await asyncio.start_unix_server(self._serve, path=str(path))
@@ -96,15 +95,14 @@ class EngineServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, tuple[asyncio.Task, RequestState]] = {}
-        self.connections += 1
         try:
             send(writer, self.hello())
             while True:
                 message = await receive(reader)
                 kind, rid = message[0], message[1]
-                if kind in ("encode", "decode"):
-                    state = RequestState(deadline=message[-1])
-                    task = asyncio.create_task(self._run(writer, kind, rid, state, *message[2:-1]))
+                if kind in ("encode", "decode"):  # (kind, rid, model, *arguments, deadline, arrival)
+                    state = RequestState(deadline=message[-2], started=message[-1])
+                    task = asyncio.create_task(self._run(writer, kind, rid, state, *message[2:-2]))
                     running[rid] = (task, state)
                     task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
                 elif kind == "cancel":
@@ -117,7 +115,6 @@ class EngineServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front end is gone: whatever it submitted is nobody's now
         finally:
-            self.connections -= 1
             for task, state in list(running.values()):
                 state.cancelled = True
                 task.cancel()
@@ -217,7 +214,7 @@ class RemoteEncoder:
         self.client, self.model = client, model
 
     async def submit(self, sequences, request: RequestState) -> list:
-        rid, queue = self.client.open(("encode", self.model, sequences, request.deadline))
+        rid, queue = self.client.open(("encode", self.model, sequences, request.deadline, request.started))
         finished = False
         try:
             kind, value = await queue.get()
@@ -245,7 +242,8 @@ class RemoteDecoder(RemoteEncoder):
     """`DecodeScheduler.submit` across the socket: tokens as the engine's decode batch makes them."""
 
     async def submit(self, input_ids, settings, request: RequestState) -> AsyncIterator[int]:
-        rid, queue = self.client.open(("decode", self.model, list(input_ids), settings, request.deadline))
+        rid, queue = self.client.open(("decode", self.model, list(input_ids), settings, request.deadline,
+                                       request.started))
         return self._stream(rid, queue)
 
     async def _stream(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[int]:

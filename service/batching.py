@@ -59,8 +59,8 @@ class Batch:
 def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -> list[range]:
     """Consecutive runs of `lengths` (in order) whose padded cost, the longest one's bucket length
     times the count, stays within `max_batch_tokens`; a sequence over the budget alone runs alone.
-    The decode scheduler's newcomers are encoded this way (`OnnxWorker.begin`): on a CPU, eight
-    4096-token documents in one encoder batch cost a quarter more each than one at a time."""
+    The decode scheduler's newcomers are encoded this way (`OnnxWorker.begin`), as the encoder
+    batcher's batches are: on a CPU one 4096-token document at a time (docs/decode_concurrency.md)."""
     groups, start, longest = [], 0, 0
     for i, n in enumerate(lengths):
         bucket = max(1, -(-n // bucket_size)) * bucket_size

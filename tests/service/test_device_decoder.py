@@ -143,8 +143,8 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
 
 def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
     """A group of newcomers is encoded in batches of at most the worker's `max_batch_tokens`
-    (one 4096-token document at a time on a CPU, where eight in one batch cost a quarter more
-    each), in order; they still join the running batch together and decode as they would alone."""
+    (one 4096-token document at a time on a CPU), in order; they still join the running batch
+    together and decode as they would alone."""
     docs_lengths = (40, 120, 70, 30)
     worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
     block = worker.info.block_size

@@ -298,6 +298,7 @@ async def run_engine(settings, worker_factory) -> int:
 
     from prometheus_client import multiprocess
 
+    from longdoc.service.cli import SHUTDOWN_MARGIN_S
     from longdoc.service.core import Service
     from longdoc.service.workers import onnx_worker_factory
 
@@ -368,7 +369,7 @@ async def run_engine(settings, worker_factory) -> int:
         await stop.wait()
         forward(signal.SIGTERM)
         log.info("engine: waiting for the front ends to drain")
-        deadline = time.monotonic() + settings.shutdown_grace_s + 10
+        deadline = time.monotonic() + settings.shutdown_grace_s + SHUTDOWN_MARGIN_S  # as a front end's uvicorn
         for p in processes:  # the front ends drain (their grace), then exit; the engine serves them meanwhile
             await asyncio.to_thread(p.join, max(0.0, deadline - time.monotonic()))
         for t in keepers:

@@ -8,6 +8,8 @@ Random-init weights (transformers, seed 0) at transformers' default configuratio
     verify    `longdoc verify --device cuda --against transformers` of that export at 4096 tokens
     ours      the service's encoder path (CudaWorker's IoBindingEncoder, layout tables kept on the
               GPU) at 4096 tokens, batch 1/8/32: latency, docs/s, model FLOP utilization
+    gathers   one head group's key-block gather at the largest batch: ONNX Gather as exported,
+              against the same as a product with a one-hot table (exact): for the lowering
     hf        transformers BigBirdForQuestionAnswering fp16 on the same GPU (block-sparse, eval), same
               shapes; and the GPU's measured fp16 MatMul peak (torch, 8192^3)
     service   a real `longdoc serve --device cuda` on the fp16 export, 32 closed-loop clients sending
@@ -40,7 +42,7 @@ from pathlib import Path
 from common import log, time_it
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "hf", "service", "pegasus", "summarize")
+PHASES = ("make", "verify", "ours", "encoder_opts", "kernels", "gathers", "hf", "service", "pegasus", "summarize")
 H200_FP16_DENSE_TFLOPS = 989.0  # vendor datasheet, dense fp16/bf16 tensor cores (SXM)
 
 
@@ -237,6 +239,66 @@ def phase_kernels(work: str, device: str, tiny: bool) -> dict:
     return {"total_ms": total, "top": rows[:40]}
 
 
+def phase_gathers(work: str, device: str, tiny: bool) -> dict:
+    """The sparse attention's key-block gather of one head group at the largest batch, as the
+    export lowers it (Gather of (B, h*nb, bs, Dk) by (h, nb, K) block ids: ONNX Runtime's generic
+    Gather kernel took 30% of the encoder's GPU time, docs/gpu.md) against the same gather as a
+    product with a one-hot table ((h, nb*K, nb) x (B, h, nb, bs*Dk): a GEMM; exact, since every
+    output is one product by 1 plus products by 0). Which of the two a GPU lowering should use
+    (issue 24, item 3)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    import onnxruntime as ort
+    from longdoc.export.runtime import execution_providers, parse_device
+
+    c = configs(tiny)
+    kind, device_id = parse_device(device)
+    B, h, bs, Dk, K = max(c["batches"]), (2 if tiny else 4), (16 if tiny else 64), 65, 8
+    nb = c["length"] // bs
+    dtype, onnx_type = (np.float32, TensorProto.FLOAT) if kind == "cpu" else (np.float16, TensorProto.FLOAT16)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, h * nb, bs, Dk)).astype(dtype)
+    blocks = rng.integers(0, nb, (h, nb, K))
+    ids = (blocks + (np.arange(h) * nb)[:, None, None]).astype(np.int64)  # (h, nb, K) into h*nb
+    onehot = np.zeros((h, nb * K, nb), dtype)
+    onehot[np.arange(h)[:, None], np.arange(nb * K)[None, :], blocks.reshape(h, -1)] = 1
+
+    def session(nodes, inputs):
+        graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", onnx_type, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        return ort.InferenceSession(model.SerializeToString(), providers=execution_providers(kind, device_id))
+
+    x_info = helper.make_tensor_value_info("x", onnx_type, ["B", "N", bs, Dk])
+    gather = session([helper.make_node("Gather", ["x", "ids"], ["y"], axis=1)],
+                     [x_info, helper.make_tensor_value_info("ids", TensorProto.INT64, [h, nb, K])])
+    product = session([helper.make_node("Reshape", ["x", "shape"], ["xr"]),
+                       helper.make_node("MatMul", ["onehot", "xr"], ["y"])],
+                      [x_info, helper.make_tensor_value_info("onehot", onnx_type, [h, nb * K, nb]),
+                       helper.make_tensor_value_info("shape", TensorProto.INT64, [4])])
+    on_device = lambda a: ort.OrtValue.ortvalue_from_numpy(a, kind, device_id)  # noqa: E731
+    feeds = {"gather": (gather, {"x": on_device(x), "ids": on_device(ids)}),
+             "onehot": (product, {"x": on_device(x), "onehot": on_device(onehot),
+                                  "shape": on_device(np.array([B, h, nb, bs * Dk], np.int64))})}
+    out, times = {}, {}
+    for name, (sess, feed) in feeds.items():
+        def run(sess=sess, feed=feed):
+            binding = sess.io_binding()
+            for k, v in feed.items():
+                binding.bind_ortvalue_input(k, v)
+            binding.bind_output("y", kind, device_id)
+            sess.run_with_iobinding(binding)
+            return binding.get_outputs()[0]
+        times[name] = time_it(run, reps=10) * 1000
+        out[name] = run().numpy().reshape(B, h, nb, K, bs, Dk)
+    diff = float(np.abs(out["gather"].astype(np.float32) - out["onehot"].astype(np.float32)).max())
+    log(f"  gather {times['gather']:.2f} ms, one-hot product {times['onehot']:.2f} ms, max |diff| {diff}")
+    return {"B": B, "heads": h, "blocks": nb, "K": K, "block": bs, "Dk": Dk, "gather_ms": times["gather"],
+            "onehot_ms": times["onehot"], "max_abs_diff": diff,
+            "gathered_mb": B * h * nb * K * bs * Dk * np.dtype(dtype).itemsize / 2**20}
+
+
 def phase_hf(work: str, device: str, tiny: bool) -> dict:
     import torch
     import transformers
@@ -413,6 +475,11 @@ def table(r: dict) -> str:
                 share = f" ({100 * o['tflops'] / peak:.0f}%)" if peak else ""
                 lines.append(f"| {B} | {o['latency_ms']:.1f} | {o['docs_per_s']:.1f} | {o['tflops']:.1f}{share} | "
                              f"{h['latency_ms']:.1f} | {h['docs_per_s']:.1f} | {h['latency_ms'] / o['latency_ms']:.2f}x |")
+    if "gathers" in r and "gather_ms" in r["gathers"]:
+        gt = r["gathers"]
+        lines.append(f"\nkey-block gather, batch {gt['B']}, {gt['heads']} heads, {gt['gathered_mb']:.0f} MB gathered: "
+                     f"Gather {gt['gather_ms']:.2f} ms, one-hot product {gt['onehot_ms']:.2f} ms "
+                     f"(max |diff| {gt['max_abs_diff']:g})")
     if "service" in r and "ours" in r and "throughput_rps" in r["service"]:
         s, best = r["service"], max(v["docs_per_s"] for v in r["ours"].values())
         lines.append(f"\nservice, {s['concurrency']} clients: {s['throughput_rps']:.1f} docs/s "

@@ -34,7 +34,7 @@ part)
   fi
   ;;
 main)
-  phases=${2:-ours,encoder_opts,kernels,service,summarize,pegasus,verify,hf}
+  phases=${2:-ours,gathers,encoder_opts,kernels,service,summarize,pegasus,verify,hf}
   wheel=onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
   cat /tmp/ortgpu/chunk.* > /tmp/$wheel && python3 -m pip install -q --no-deps --target /tmp/ortsite /tmp/$wheel \
     || { log "onnxruntime-gpu did not install"; exit 1; }

@@ -56,6 +56,11 @@ class Batch:
         return sum(e.length for e in self.entries)
 
 
+def bucket_length(length: int, bucket_size: int) -> int:
+    """A sequence's padded length: its token count rounded up to the bucket size (at least one)."""
+    return max(1, -(-length // bucket_size)) * bucket_size
+
+
 def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -> list[range]:
     """Consecutive runs of `lengths` (in order) whose padded cost, the longest one's bucket length
     times the count, stays within `max_batch_tokens`; a sequence over the budget alone runs alone.
@@ -63,7 +68,7 @@ def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -
     batcher's batches are: on a CPU one 4096-token document at a time (docs/decode_concurrency.md)."""
     groups, start, longest = [], 0, 0
     for i, n in enumerate(lengths):
-        bucket = max(1, -(-n // bucket_size)) * bucket_size
+        bucket = bucket_length(n, bucket_size)
         if i > start and max(longest, bucket) * (i - start + 1) > max_batch_tokens:
             groups.append(range(start, i))
             start, longest = i, 0
@@ -90,7 +95,7 @@ class BatchingPolicy:
         self._fifo_turn = True  # whose turn the next released head is: FIFO, or least served
 
     def bucket_of(self, length: int) -> int:
-        return max(1, -(-length // self.bucket_size)) * self.bucket_size
+        return bucket_length(length, self.bucket_size)
 
     def __len__(self) -> int:
         return len(self._order)

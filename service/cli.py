@@ -175,10 +175,16 @@ def serve(args: argparse.Namespace, worker_factory=None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("longdoc.service").info("serving models from %s", served_from(settings.models))
     if settings.front_ends > 1:  # one engine process, the front ends serve HTTP (service/frontends.py)
-        made = multiprocess_metrics_dir()  # before prometheus-client is imported
-        from longdoc.service.frontends import serve_front_ends
+        import shutil
 
-        return serve_front_ends(settings, worker_factory, metrics_dir=made)
+        made = multiprocess_metrics_dir()  # before prometheus-client is imported
+        try:
+            from longdoc.service.frontends import serve_front_ends
+
+            return serve_front_ends(settings, worker_factory)
+        finally:
+            if made:
+                shutil.rmtree(made, ignore_errors=True)
     return run_http(settings, worker_factory)
 
 

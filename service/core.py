@@ -89,9 +89,22 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
-        if self.engine_path is not None:
-            await self._start_front_end()
-            return
+        if self.engine_path is not None:  # a front end: the engine process's models, each behind a remote engine
+            await self._connect_engine()
+        else:
+            await self._load_models()
+        if self.with_host:
+            self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
+                                   s.tokenizer_threads)
+            await asyncio.to_thread(self.host.start)
+        self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
+        log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
+        self.ready = True
+        self.metrics.refresh_ready()
+        log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
+
+    async def _load_models(self) -> None:
+        s = self.settings
         for name, directory in s.models.items():
             slots = []
             for i, device in enumerate(s.devices):
@@ -124,32 +137,14 @@ class Service:
                 devices = list(s.devices)
             engine.start()
             self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
-        if self.with_host:
-            await self._start_host()
-        self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
-        log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
-        self.ready = True
-        self.metrics.refresh_ready()
-        log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
 
-    async def _start_host(self) -> None:
-        s = self.settings
-        self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
-                               s.tokenizer_threads)
-        await asyncio.to_thread(self.host.start)
-
-    async def _start_front_end(self) -> None:
-        """A front end: the engine process's models, each behind a remote engine."""
+    async def _connect_engine(self) -> None:
         from longdoc.service.frontends import EngineClient, remote_engine
 
-        self.engine_client, models, self.defaults = await EngineClient.connect(self.engine_path)
+        self.engine_client, models = await EngineClient.connect(self.engine_path)
         self.engine_client.on_health = self.metrics.refresh_ready
         for name, (info, devices, bounds) in models.items():
             self.models[name] = ServedModel(info, devices, remote_engine(self.engine_client, name, info.task), bounds)
-        await self._start_host()
-        self.ready = True
-        self.metrics.refresh_ready()
-        log.info("front end ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
 
     def _load(self, name: str, directory: Path, device: str) -> Worker:
         worker = self.worker_factory(name, directory, device, self.settings)

@@ -91,7 +91,7 @@ class EngineServer:
 
     def hello(self) -> tuple:
         s = self.service
-        return ("hello", {n: (m.info, m.devices, m.length_bounds) for n, m in s.models.items()}, s.defaults)
+        return ("hello", {n: (m.info, m.devices, m.length_bounds) for n, m in s.models.items()})
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, tuple[asyncio.Task, RequestState]] = {}
@@ -157,12 +157,13 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
 
     @classmethod
-    async def connect(cls, path: str) -> tuple[EngineClient, dict, dict]:
+    async def connect(cls, path: str) -> tuple[EngineClient, dict]:
+        """The client and the engine's models: name -> (ModelInfo, devices, length bounds)."""
         reader, writer = await asyncio.open_unix_connection(path)
-        _, models, defaults = await receive(reader)
+        _, models = await receive(reader)
         client = cls(reader, writer)
         client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._poll_health())]
-        return client, models, defaults
+        return client, models
 
     async def _read(self) -> None:
         try:
@@ -386,13 +387,5 @@ async def run_engine(settings, worker_factory) -> int:
         workdir.rmdir()
 
 
-def serve_front_ends(settings, worker_factory=None, metrics_dir: str | None = None) -> int:
-    """`metrics_dir`: the metrics directory made for this run (service/cli.py
-    `multiprocess_metrics_dir`), removed at the end."""
-    import shutil
-
-    try:
-        return asyncio.run(run_engine(settings, worker_factory))
-    finally:
-        if metrics_dir:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+def serve_front_ends(settings, worker_factory=None) -> int:
+    return asyncio.run(run_engine(settings, worker_factory))

@@ -86,13 +86,14 @@ def fake_factory(restarts_fail: bool = False, **per_task):
 
 
 @contextlib.asynccontextmanager
-async def running_app(factory=None, **overrides):
+async def running_app(factory=None, engine: str | None = None, **overrides):
     """The app in-process (httpx's ASGI transport), host work in threads unless `host_processes`
-    says otherwise (tests patch the host functions of this process)."""
+    says otherwise (tests patch the host functions of this process); with `engine`, a front end
+    of the engine process at that socket (service/frontends.py)."""
     overrides.setdefault("host_processes", 0)
     settings = Settings(models=overrides.pop("models", {"qa": "qa", "cls": "classify", "sum": "summarize"}),
                         **overrides)
-    app = create_app(settings, worker_factory=factory or fake_factory())
+    app = create_app(settings, worker_factory=factory or fake_factory(), engine=engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -18,7 +18,7 @@ import pytest
 
 from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
-from longdoc.service.batching import budget_groups
+from longdoc.service.batching import bucket_length, budget_groups
 from longdoc.service.metrics import Metrics
 from longdoc.service.regroup import Regroup, take_graph
 from longdoc.service.workers import OnnxWorker
@@ -148,7 +148,7 @@ def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
     docs_lengths = (40, 120, 70, 30)
     worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
     block = worker.info.block_size
-    bucket = lambda n: -(-n // block) * block  # noqa: E731
+    bucket = lambda n: bucket_length(n, block)  # noqa: E731
     worker.max_batch_tokens = 2 * bucket(70)  # groups: the first alone (the second would pad it to 120), 120 alone, 70 + 30
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in docs_lengths]

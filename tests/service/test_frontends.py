@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from longdoc.model.search import resolve_settings
-from longdoc.service.app import create_app
 from longdoc.service.batcher import RequestState
 from longdoc.service.core import Service
 from longdoc.service.errors import Overloaded, TooLarge, Unavailable
@@ -33,25 +32,21 @@ MODELS = {"qa": "qa", "cls": "classify", "sum": "summarize"}
 @contextlib.asynccontextmanager
 async def front_end(factory=None, **overrides):
     """An engine (a Service without host pool, its EngineServer on a Unix socket) and a front-end
-    app connected to it, in this loop; yields (an httpx client of the front end, the engine)."""
-    overrides.setdefault("host_processes", 0)
-    settings = Settings(models=overrides.pop("models", MODELS), **overrides)
+    app connected to it (`running_app`'s, same settings), in this loop; yields (an httpx client of
+    the front end, the engine's Service, its EngineServer)."""
+    settings = Settings(models=overrides.get("models", MODELS), **{k: v for k, v in overrides.items() if k != "models"})
     engine = Service(settings, factory or fake_factory(), host=False)
     await engine.start()
     server = EngineServer(engine)
     workdir = Path(tempfile.mkdtemp(prefix="longdoc-fe-test-"))  # short: a socket path has 108 bytes
     await server.start(workdir / "engine.sock")
     try:
-        app = create_app(settings, engine=str(workdir / "engine.sock"))
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                client.app = app
-                deadline = time.monotonic() + 10
-                while (await client.get("/readyz")).status_code != 200:  # the first health reply
-                    assert time.monotonic() < deadline, "the front end never became ready"
-                    await asyncio.sleep(0.01)
-                yield client, engine, server
+        async with running_app(engine=str(workdir / "engine.sock"), **overrides) as client:
+            deadline = time.monotonic() + 10
+            while (await client.get("/readyz")).status_code != 200:  # the first health reply
+                assert time.monotonic() < deadline, "the front end never became ready"
+                await asyncio.sleep(0.01)
+            yield client, engine, server
     finally:
         server.close()
         await engine.stop()

@@ -5,6 +5,9 @@ BigBird-base shape (12 layers, hidden 768, 12 heads, block 64, r 3), random-init
 
     ours-fp32     our export (block-sparse lowered to Gather/MatMul, one dynamic graph), fp32
     ours-int8     the same graph, ONNX Runtime dynamic int8 quantization of the dense MatMuls
+    ours-int8-per-tensor  ours-int8 as ONNX Runtime's `quantize_dynamic` writes it: one activation
+                  scale per tensor, shared by every row of a batch (what `longdoc export` wrote
+                  before its per-row pass, export/quantization.py; a baseline, not an export option)
     ours-int8-attn  ours-int8 with the attention's products in int8 too (`longdoc export
                   --int8-attention`, the mode given by --int8-attention)
     hf-torch      transformers PyTorch, attention_type=block_sparse (eval mode)
@@ -45,7 +48,7 @@ from longdoc.export.manifest import INT8_ATTENTION  # NumPy-free, no onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-KINDS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-torch", "hf-traced", "full-onnx")
+KINDS = ("ours-fp32", "ours-int8", "ours-int8-per-tensor", "ours-int8-attn", "hf-torch", "hf-traced", "full-onnx")
 INT8_ATTENTION_DEFAULT = "per-row"  # the mode docs/bench_export.md measured as ours-int8-attn
 E, L, H, I, BS, R = 768, 12, 12, 3072, 64, 3
 TRACED_LENGTH = 4096
@@ -108,7 +111,40 @@ def prepare(work: Path, max_position: int, log, kinds=KINDS, int8_attention: str
             log(f"exporting {kind} -> {out}")
             export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m), int8_attention=attention)
         paths[kind] = out
+    if "ours-int8-per-tensor" in kinds:
+        paths["ours-int8-per-tensor"] = per_tensor_int8(paths["ckpt"], work, max_position, log)
     return paths
+
+
+def per_tensor_int8(ckpt: Path, work: Path, max_position: int, log) -> Path:
+    """The ours-int8 export with `quantize_dynamic`'s graph as is (one scale per activation tensor):
+    the export's fp32 encoder quantized without the per-row pass, in a copy of the int8 directory."""
+    import shutil
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from longdoc.export.exporter import export_model
+    from longdoc.export.graph import save_model
+    from longdoc.export.manifest import Manifest, file_checksums
+
+    out = work / f"ours-int8-per-tensor-{max_position}"
+    if (out / "manifest.json").is_file():
+        return out
+    log(f"exporting ours-int8-per-tensor -> {out}")
+    staging = work / f"per-tensor-staging-{max_position}"
+    shutil.rmtree(staging, ignore_errors=True)
+    export_model(ckpt, staging / "fp32", "qa", progress=lambda m: log("  " + m))
+    export_model(ckpt, staging / "int8", "qa", dtype="int8", progress=lambda m: log("  " + m))
+    quantize_dynamic(str(staging / "fp32" / "encoder.onnx"), str(staging / "q.onnx"), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul"])
+    save_model(onnx.load(str(staging / "q.onnx")), staging / "int8" / "encoder.onnx")
+    manifest = Manifest.load(staging / "int8")
+    Manifest.from_dict({**manifest.to_dict(), "files": file_checksums(staging / "int8", list(manifest.files))}
+                       ).save(staging / "int8")
+    (staging / "int8").rename(out)
+    shutil.rmtree(staging)
+    return out
 
 
 def trace_export(ckpt: Path, out: Path, S: int, log) -> Path:

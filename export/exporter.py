@@ -328,12 +328,15 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
 
 def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     """Dynamic int8 quantization of the MatMuls with constant weights (the dense layers);
-    attention MatMuls multiply two activations and stay fp32. per_channel: one weight scale per
+    attention MatMuls multiply two activations and stay fp32. Each activation entering a dense
+    layer gets one scale per row (`longdoc.export.quantization.per_row_activations`), so a
+    sequence's outputs do not depend on the rest of its batch. per_channel: one weight scale per
     output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
     keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
-    import logging
-
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from longdoc.export.quantization import per_row_activations
 
     # ONNX Runtime logs "Please consider to run pre-processing before quantization" on the root
     # logger for every graph without its pre-processing metadata; that pre-processing (symbolic shape
@@ -346,9 +349,11 @@ def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             fp32 = Path(tmp) / "fp32.onnx"
             save_model(model, fp32)
-            quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+            quantized = Path(tmp) / "int8.onnx"
+            quantize_dynamic(str(fp32), str(quantized), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                              per_channel=per_channel,
                              use_external_data_format=model.ByteSize() > 1_800_000_000)
+            save_model(per_row_activations(onnx.load(str(quantized))), path)
     finally:
         root.removeFilter(hint)
         root.removeHandler(quiet)

@@ -38,14 +38,16 @@ things to the same sparse rows, and takes no `global_blocks` / `block_source` in
 int8 attention (`longdoc export --int8-attention`, INT8_ATTENTION): both products, Q.K^T and P.V,
 run as MatMulInteger on 8-bit operands, each rescaled by the product of its operands' scales
 (Cast + Mul). K and V are quantized once per head group, before their blocks are gathered, so the
-Gathers move bytes, not floats; the left operands (Q, P) are quantized right at their products, so
-that ONNX Runtime fuses quantize + product + rescale into one DynamicQuantizeMatMul kernel:
+Gathers move bytes, not floats; the left operands (Q, P) are quantized right at their products.
+No scale is shared by two sequences of a batch (export/quantization.py): a left operand has one
+scale per row, K and V one per (sequence, head), so a sequence's answer does not depend on its batch:
 
-    dynamic     DynamicQuantizeLinear (uint8, per tensor, with zero point) on Q, K, V and P
+    dynamic     Q and P symmetric per row (uint8 around the zero point 128); K and V symmetric per
+                (sequence, head), uint8 around 128 too
     dynamic-s8  Q and P as `dynamic`; K and V symmetric int8 (scale max|x| / 127, zero point 0),
                 so the products are uint8 x int8, the pair AVX-512 VNNI multiplies natively
-    per-row     as `dynamic-s8`, but every row of P gets its own scale (row max / 255): a flat
-                row (p ~ 1/K) keeps its resolution next to a peaked one
+    per-row     as `dynamic-s8`, but P in [0, 1] gets uint8 values 0..255 (row max / 255, zero
+                point 0): twice the resolution of a symmetric row
     static-p    as `dynamic-s8`, but P with the fixed scale 1/255 (its range is [0, 1] by
                 construction, no calibration needed)
 
@@ -62,6 +64,7 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.manifest import INT8_ATTENTION
+from longdoc.export.quantization import per_row_uint8, symmetric
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 # full attention over a whole sequence runs its queries in at most this many row chunks of at least
@@ -254,19 +257,21 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
 # --- int8 attention (module docstring) ---------------------------------------------------------
 # A tensor is either a float tensor's name (str) or a Quantized one; every op the attention applies
 # to a key/value tensor before its product (Reshape, Gather, Transpose, Slice) applies to the
-# 8-bit data and leaves scale and zero point alone, since they are per tensor.
+# 8-bit data and leaves scale and zero point alone: a key/value scale is per (sequence, head), and
+# axes 0 and 1 stay (batch, head) through those ops.
 
 @dataclass(frozen=True)
 class Quantized:
     data: str  # uint8 or int8, the float tensor's shape
-    scale: str  # scalar, or (..., rows, 1) for per-row probabilities
+    scale: str  # scalar; (..., rows, 1) for a left operand; (B, h, 1, 1) for keys and values
     zero_point: str | None  # scalar; None = 0 (per-row rows have no zero point input)
+    per_head: bool = False  # scale (B, h, 1, 1): reshaped to the product's rank at the product
 
 
 def _map(g: GraphBuilder, x, op: str, inputs: list[str], **attrs):
     """Apply a data-movement op to a float tensor or to a Quantized one's data."""
     if isinstance(x, Quantized):
-        return Quantized(g.op(op, [x.data, *inputs], **attrs), x.scale, x.zero_point)
+        return replace(x, data=g.op(op, [x.data, *inputs], **attrs))
     return g.op(op, [x, *inputs], **attrs)
 
 
@@ -274,22 +279,11 @@ def transpose_right(g: GraphBuilder, x, perm: list[int]):
     return _map(g, x, "Transpose", [], perm=perm)
 
 
-def _dynamic_uint8(g: GraphBuilder, x: str) -> Quantized:
-    data, scale, zero_point = g.op("DynamicQuantizeLinear", [x], n_out=3)
-    return Quantized(data, scale, zero_point)
-
-
-def _symmetric_int8(g: GraphBuilder, x: str) -> Quantized:
-    """Per tensor, zero point 0: scale = max|x| / 127 (never 0: an all-zero x gets a tiny scale)."""
-    amax = g.op("Max", [g.op("ReduceMax", [x], keepdims=0), g.op("Neg", [g.op("ReduceMin", [x], keepdims=0)])])
-    scale = g.op("Max", [g.op("Div", [amax, g.fconst(127.0)]), g.fconst(1e-30)])
-    zero_point = g.const(0, dtype=np.int8, hint="int8_zero")
-    return Quantized(g.op("QuantizeLinear", [x, scale, zero_point]), scale, zero_point)
-
-
 def quantize_right(g: GraphBuilder, x: str, mode: str) -> Quantized:
-    """Keys and values: uint8 with zero point (`dynamic`) or symmetric int8 (the others)."""
-    return _dynamic_uint8(g, x) if mode == "dynamic" else _symmetric_int8(g, x)
+    """Keys and values (B, h, S, D): one symmetric scale per (sequence, head); uint8 around 128
+    (`dynamic`) or int8 (the others)."""
+    data, scale, zero_point = symmetric(g, x, [2, 3], signed=mode != "dynamic")
+    return Quantized(data, scale, zero_point, per_head=True)
 
 
 def quantize_probs(g: GraphBuilder, probs: str, mode: str):
@@ -316,18 +310,21 @@ def quantize_probs(g: GraphBuilder, probs: str, mode: str):
 
 def matmul(g: GraphBuilder, a, b) -> str:
     """a @ b (batched), float result. Float a and b: MatMul. Quantized b: a float `a` is quantized
-    here, right at its product (DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul, which ONNX
-    Runtime fuses into one DynamicQuantizeMatMul kernel; an `a` quantized earlier and reshaped or
-    shared by two products left the rescale as separate passes over the scores)."""
+    here, right at its product, one scale per row (`per_row_uint8` -> MatMulInteger -> Cast -> Mul,
+    which ONNX Runtime fuses into one MatMulIntegerToFloat kernel)."""
     if not isinstance(b, Quantized):
         return g.op("MatMul", [a, b])
     if not isinstance(a, Quantized):
-        a = _dynamic_uint8(g, a)
+        a = Quantized(*per_row_uint8(g, a))
+    b_scale = b.scale
+    if b.per_head:  # (B, h, 1, 1) -> (B, h, 1, ..., 1), the rank of a (and of the product)
+        ones = g.op("Add", [g.op("Mul", [g.op("Shape", [a.data], start=2), g.const(0)]), g.const(1)])
+        b_scale = g.op("Reshape", [b_scale, g.op("Concat", [g.op("Shape", [b_scale], end=2), ones], axis=0)])
     inputs = [a.data, b.data, a.zero_point or "", b.zero_point or ""]
     while inputs[-1] == "":
         inputs.pop()
     acc = g.op("MatMulInteger", inputs)  # int32
-    return g.op("Mul", [g.op("Cast", [acc], to=TensorProto.FLOAT), g.op("Mul", [a.scale, b.scale])])
+    return g.op("Mul", [g.op("Cast", [acc], to=TensorProto.FLOAT), g.op("Mul", [a.scale, b_scale])])
 
 
 def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,

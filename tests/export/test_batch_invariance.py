@@ -10,6 +10,7 @@ ONNX Runtime's own `quantize_dynamic` graph, one scale per tensor, does not
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -135,3 +136,12 @@ def test_per_tensor_activations_depend_on_the_batch(exports, tmp_path):
     alone = model.run_encoder(rows[1:2], mask[1:2])["start_logits"]
     batched = model.run_encoder(rows, mask)["start_logits"][1:2]
     assert not np.array_equal(alone, batched)
+
+
+@pytest.mark.parametrize("name", ["qa", "summarize", "classify"])
+def test_shipped_models_quantize_activations_per_row(name):
+    """The default models under models/ (data/requantize.py): no activation scale per tensor."""
+    model_dir = Path(__file__).resolve().parents[2] / "models" / name
+    for filename in Manifest.load(model_dir).graphs.values():
+        ops = {node.op_type for node in onnx.load(str(model_dir / filename), load_external_data=False).graph.node}
+        assert "MatMulInteger" in ops and "DynamicQuantizeLinear" not in ops, f"{name}/{filename}"

@@ -42,12 +42,11 @@ Gathers move bytes, not floats; the left operands (Q, P) are quantized right at 
 No scale is shared by two sequences of a batch (export/quantization.py): a left operand has one
 scale per row, K and V one per (sequence, head), so a sequence's answer does not depend on its batch:
 
-    dynamic     Q and P symmetric per row (uint8 around the zero point 128); K and V symmetric per
-                (sequence, head), uint8 around 128 too
-    dynamic-s8  Q and P as `dynamic`; K and V symmetric int8 (scale max|x| / 127, zero point 0),
-                so the products are uint8 x int8, the pair AVX-512 VNNI multiplies natively
-    per-row     as `dynamic-s8`, but P in [0, 1] gets uint8 values 0..255 (row max / 255, zero
-                point 0): twice the resolution of a symmetric row
+    dynamic     Q per row, uint8 around the zero point 128; P per row, uint8 0..255 (row max / 255,
+                zero point 0); K and V per (sequence, head), uint8 around 128
+    dynamic-s8  Q and P as `dynamic`; K and V int8 (scale max|x| / 127, zero point 0), so the
+                products are uint8 x int8, the pair AVX-512 VNNI multiplies natively
+    per-row     as `dynamic-s8` (P through QuantizeLinear's per-axis form: the same values)
     static-p    as `dynamic-s8`, but P with the fixed scale 1/255 (its range is [0, 1] by
                 construction, no calibration needed)
 
@@ -64,7 +63,7 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.manifest import INT8_ATTENTION
-from longdoc.export.quantization import per_row_uint8, symmetric
+from longdoc.export.quantization import per_row_uint8, quantize
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
 # full attention over a whole sequence runs its queries in at most this many row chunks of at least
@@ -282,15 +281,17 @@ def transpose_right(g: GraphBuilder, x, perm: list[int]):
 def quantize_right(g: GraphBuilder, x: str, mode: str) -> Quantized:
     """Keys and values (B, h, S, D): one symmetric scale per (sequence, head); uint8 around 128
     (`dynamic`) or int8 (the others)."""
-    data, scale, zero_point = symmetric(g, x, [2, 3], signed=mode != "dynamic")
+    signed = mode != "dynamic"
+    data, scale, zero_point = quantize(g, x, [2, 3], 0 if signed else 128, signed=signed)
     return Quantized(data, scale, zero_point, per_head=True)
 
 
 def quantize_probs(g: GraphBuilder, probs: str, mode: str):
-    """The left operand of P.V (softmax output in [0, 1], last axis = keys); `off`, `dynamic` and
-    `dynamic-s8` leave it float (`matmul` quantizes it at the product)."""
-    if mode in ("off", "dynamic", "dynamic-s8"):
+    """The left operand of P.V (softmax output in [0, 1], last axis = keys); `off` leaves it float."""
+    if mode == "off":
         return probs
+    if mode in ("dynamic", "dynamic-s8"):  # one scale per row, values 0..255
+        return Quantized(*quantize(g, probs, [-1], 0))
     if mode == "static-p":
         scale = g.fconst(1.0 / 255.0)
         zero_point = g.const(0, dtype=np.uint8, hint="uint8_zero")

@@ -139,8 +139,8 @@ def test_full_attention_checkpoint_runs_its_products_in_int8(tmp_path):
     assert check_graph(graph, sparse=False) == []
     # Q.K^T and P.V of every query chunk
     assert attention_int8_matmuls(graph) == {"layer0/": 2 * QUERY_CHUNKS, "layer1/": 2 * QUERY_CHUNKS}
-    # seed 1: seed 0's inputs hold a near tie that int8 breaks one way or the other (one span of 8;
-    # over 8 seeds the per-row export keeps 63 of 64 spans, logits closer to fp32 than per tensor)
+    # seed 1: seed 0's inputs hold a near tie (1 span of 8) that int8 with one activation scale per row
+    # breaks the other way, though its logits stay closer to fp32 than with one scale per tensor
     report = verify_model(tmp_path / "model", ckpt, progress=quiet, threads=1, lengths=[16, 300], seed=1)
     assert report.ok, report.summary()
 
@@ -165,7 +165,7 @@ def test_summarizer_encoder_runs_its_attention_in_int8(tmp_path):
     encoder, decoder = (onnx.load(str(tmp_path / "model" / f"{n}.onnx")) for n in ("encoder", "decoder"))
     assert attention_int8_matmuls(encoder) == {"enc0/": 4, "enc1/": 4}
     assert not attention_int8_matmuls(decoder)
-    # seed 1: seed 0's inputs hold a near tie that int8 breaks one way or the other (one span of 8;
-    # over 8 seeds the per-row export keeps 63 of 64 spans, logits closer to fp32 than per tensor)
+    # seed 1: seed 0's inputs hold a near tie (1 span of 8) that int8 with one activation scale per row
+    # breaks the other way, though its logits stay closer to fp32 than with one scale per tensor
     report = verify_model(tmp_path / "model", ckpt, progress=quiet, threads=1, lengths=[16, 300], seed=1)
     assert report.ok, report.summary()

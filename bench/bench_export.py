@@ -368,7 +368,7 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
     const = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
     t_load = time.perf_counter() - start
     ids = np.random.default_rng(0).integers(100, 30000, (1, S))
-    feed, _ = m._encoder_feed(ids, np.ones_like(ids))
+    feed, _ = m.encoder_feed(ids, np.ones_like(ids))
     const_feed = {k: v for k, v in feed.items() if k not in layout}
     as_input, as_const = [], []
     for _ in range(reps):

@@ -150,7 +150,7 @@ def phase_encoder_opts(work: str, device: str, tiny: bool) -> dict:
     S, B = c["length"], max(c["batches"])
     model_dir = Path(work) / "fp16-qa"
     model = OnnxModel(model_dir, device=kind, device_id=device_id)
-    feed, _ = model._encoder_feed(*qa_batch(B, S))
+    feed, _ = model.encoder_feed(*qa_batch(B, S))
     names = [o.name for o in model.sessions["encoder"].get_outputs()]
     path = str(model.manifest.path_of(model_dir, model.manifest.graphs["encoder"]))
     result, reference = {}, None

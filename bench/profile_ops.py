@@ -99,7 +99,7 @@ def profile(model_dir: Path, S: int, threads: int) -> list[dict]:
 
     m = OnnxModel(model_dir, threads=threads)
     ids = np.random.default_rng(0).integers(100, 30000, (1, S))
-    feed, _ = m._encoder_feed(ids, np.ones_like(ids))
+    feed, _ = m.encoder_feed(ids, np.ones_like(ids))
     del m
     options = ort.SessionOptions()  # the serving options (export/runtime.py) plus the profiler
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1

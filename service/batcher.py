@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from longdoc.export.manifest import PER_TOKEN_OUTPUTS
-from longdoc.model.search import SearchSettings, greedy_tokens, is_finished
+from longdoc.model.search import SearchSettings, is_finished, step_constraints
 from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
 from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from longdoc.service.metrics import Metrics
@@ -560,12 +560,14 @@ class DecodeScheduler:
             await self.slot.call(self.slot.worker.release)
             return
         self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
-        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live],
-                                      [j.sequence[-1] for j in live])  # (n, V)
+        # each sequence's greedy choice under its own settings (model/search.py's processors as
+        # constraints, which the worker applies on the device or to the logits on the host)
+        constraints = [step_constraints(j.sequence, j.settings) for j in live]
+        chosen = await self.slot.call(self.slot.worker.step_greedy, [j.state for j in live],
+                                      [j.sequence[-1] for j in live], constraints)
         still = []
-        for job, row in zip(live, logits):  # (V,) each: the search's greedy choice, row by row
+        for job, tok in zip(live, chosen):
             s = job.settings
-            tok = int(greedy_tokens(np.asarray([job.sequence], dtype=np.int64), row[None], s)[0])
             job.sequence.append(tok)
             if tok not in s.eos_token_ids:  # the eos that ends a summary is not part of it
                 job.tokens.put_nowait(tok)

@@ -44,4 +44,6 @@ def on_cpu(worker):
     worker.encoder.device_type = "cpu"
     if worker.decoder is not None:
         worker.decoder.device_type = "cpu"
+        if worker.decoder.fixed is not None:  # the CPU provider captures nothing: fixed shapes, replayed as runs
+            worker.decoder.fixed.cuda_graph = False
     return worker

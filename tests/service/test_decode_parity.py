@@ -53,14 +53,17 @@ def reference(model, ids: list[int], **options) -> list[int]:
     return out[: out.index(eos)] if eos in out else out
 
 
-@pytest.fixture(params=["cpu", "io-binding"])
+@pytest.fixture(params=["cpu", "cpu-fixed", "io-binding"])
 def make_worker(request, monkeypatch):
-    """The CPU worker, or the CUDA worker (ONNX Runtime claims CUDA, sessions run on CPU) with its
-    I/O-binding encoder on the CPU provider; both decode with the state on the device (DeviceDecoder)."""
+    """The CPU worker (its default steps, and fixed-shape steps), or the CUDA worker (ONNX Runtime
+    claims CUDA, sessions run on CPU) with its I/O-binding encoder on the CPU provider and its
+    default steps (captured: fixed shapes, run without capture on the CPU provider); all decode
+    with the state on the device (DeviceDecoder)."""
 
     def make(directory) -> OnnxWorker:
-        if request.param == "cpu":
-            return OnnxWorker("sum", directory, "cpu", threads=1)
+        if request.param.startswith("cpu"):
+            steps = "fixed" if request.param == "cpu-fixed" else None
+            return OnnxWorker("sum", directory, "cpu", threads=1, decoder_steps=steps)
         claim_cuda(ort, monkeypatch.setattr)
         worker = on_cpu(CudaWorker("sum", directory, "cuda", threads=1))
         # encode-then-step, as the CPU worker: which steps the newcomers share is then fixed by the
@@ -100,8 +103,8 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
     model = worker.model
     assert worker.info.generation["min_length"] == TINY_GENERATION["min_length"]
     sizes = []  # sequences per decoder step
-    step = worker.step
-    worker.step = lambda states, tokens: sizes.append(len(states)) or step(states, tokens)
+    step = worker.step_greedy
+    worker.step_greedy = lambda states, *args: sizes.append(len(states)) or step(states, *args)
     docs = [document_ids(model, text_of(n, seed)) for n, seed in ((300, 1), (40, 2), (150, 3), (90, 4))]
     # each request its own settings over the model's defaults; the first outlives the others
     requests = [dict(max_new_tokens=24, min_length=20), dict(max_new_tokens=12),
@@ -114,6 +117,8 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
 
     got = asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0)))
     assert got == want
+    if worker.decoder.fixed is not None:  # greedy chosen on the device: token ids came back, never logits
+        assert worker.decoder.fetched["tokens"] > 0 and worker.decoder.fetched["logits"] == 0
     assert sizes[:2] == [1, 1] and {2, 3} <= set(sizes)  # joined at different steps, shared steps
 
 

@@ -231,7 +231,7 @@ class ModelsResponse(BaseModel):
 
 
 # summarize with `stream: true`: one server-sent event (OpenAPI 3.1 reads the `schema` of
-# text/event-stream as one event). `data` is JSON: `token` {"id", "text"}, `done` a
+# text/event-stream as one event). `data` is JSON: `token` {"ids", "text"}, `done` a
 # SummarizeResponse, `error` an ErrorResponse.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": ["token", "done", "error"]},

@@ -97,6 +97,45 @@ def test_summarize_streams_server_sent_events():
     assert '"summary": "w5 w6 w7"' in lines[-1]
 
 
+def test_streamed_token_events_never_carry_empty_text():
+    """Issue 38, item 9: a token whose text the decoding holds back (the shipped summarizer's
+    WordPiece "-", which the next token may make a hyphen: "current-based") was sent as an event
+    with "text": "". Its id now rides with the next event's text: every event has text, the texts
+    make the summary and the ids the generated tokens."""
+    import dataclasses
+    from pathlib import Path
+
+    from longdoc.model.tokenization import load_tokenizer
+    from longdoc.testing.fake_worker import FakeWorker
+    from tests.service.conftest import sse_events
+
+    real = load_tokenizer(Path(__file__).resolve().parents[2] / "models" / "summarize")
+
+    def factory(name, directory, device, settings):  # the fake summarizer, with the shipped tokenizer
+        w = FakeWorker(name=name, task="summarize", summary_tokens=20)
+        w.tokenizer, w.vocab_size = real, real.get_vocab_size()
+        w.info = dataclasses.replace(w.info, tokenizer=real)
+        return w
+
+    doc = "a current-based and built-in name -"
+
+    async def go():
+        async with running_app(factory, models={"sum": "summarize"}) as c:
+            async with c.stream("POST", "/v1/summarize", json={"document": doc, "stream": True}) as r:
+                assert r.status_code == 200
+                return sse_events([line async for line in r.aiter_lines()])
+
+    events = run(go())
+    tokens = [d for name, d in events if name == "token"]
+    final = events[-1][1]["results"][0]
+    assert final["summary"] == "a current-based and built-in name"
+    assert all(d["text"] for d in tokens), tokens
+    assert "".join(d["text"] for d in tokens) == final["summary"]
+    ids = real.encode(doc, add_special_tokens=False).ids
+    assert [i for d in tokens for i in d["ids"]] == ids[:-1]  # the dangling "-": no text, in no event
+    assert final["generated_tokens"] == len(ids)
+
+
 def test_iteration_level_batching_joins_running_batch():
     gate = threading.Event()
     factory = fake_factory(summarize={"gate": gate, "summary_tokens": 20})

@@ -98,8 +98,7 @@ async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, mo
                     if item is None:
                         break
                 elif grace_over in done:
-                    raise ShuttingDown("server is shutting down; the stream did not finish within the "
-                                       f"{service.settings.shutdown_grace_s:g} s grace period")
+                    raise ShuttingDown(service.shutdown_message("stream"))
                 else:
                     yield ": keep-alive\n\n"
                     continue

@@ -353,6 +353,49 @@ def test_draining_is_not_ready_and_refuses_new_work():
     assert post.status_code == 503
 
 
+def test_a_second_signal_says_the_grace_was_cut_short():
+    """Issue 38, item 9: after a second Ctrl-C at 0.5 s the 503 said "did not finish within the
+    30 s grace period". It now says that a second signal ended the grace, and when; a stream's
+    `event: error` says the same."""
+    import httpx
+
+    from longdoc.service.settings import Settings
+    from tests.service.conftest import ThreadServer, sse_events
+
+    gate = threading.Event()
+    factory = fake_factory(qa={"gate": gate}, summarize={"gate": gate})
+    settings = Settings(models={"qa": "qa", "sum": "summarize"}, warmup=False, shutdown_grace_s=30)
+    got = {}
+
+    def ask(url):
+        got["qa"] = httpx.post(url + "/v1/qa", json={"question": "q", "document": "a gold"}, timeout=30)
+
+    def stream(url):  # beam search: headers at once, the tokens at its end
+        with httpx.stream("POST", url + "/v1/summarize", timeout=30,
+                          json={"document": "w1 w2", "stream": True, "num_beams": 2}) as r:
+            got["stream"] = sse_events(r.iter_lines())
+
+    try:
+        with ThreadServer(settings, worker_factory=factory) as server:
+            threads = [threading.Thread(target=f, args=(server.url,)) for f in (ask, stream)]
+            for t in threads:
+                t.start()
+            until(lambda: len(factory.made) == 2 and all(w.entered.is_set() for w in factory.made),
+                  "both requests held by their workers")
+            service = server.app.state.service
+            service.begin_drain()  # the first Ctrl-C (service/cli.py)
+            service.begin_drain(grace_s=0)  # the second
+            for t in threads:
+                t.join(30)
+    finally:
+        gate.set()
+    assert got["qa"].status_code == 503, got["qa"].text
+    messages = [got["qa"].json()["error"]["message"], got["stream"][-1][1]["error"]["message"]]
+    for message in messages:
+        assert "within the 30 s grace period" not in message
+        assert "a second signal ended the 30 s grace period after 0." in message, message
+
+
 def test_settings_from_environment_and_flags(monkeypatch):
     import argparse
 

@@ -231,7 +231,7 @@ class ModelsResponse(BaseModel):
 
 
 # summarize with `stream: true`: one server-sent event (OpenAPI 3.1 reads the `schema` of
-# text/event-stream as one event). `data` is JSON: `token` {"id", "text"}, `done` a
+# text/event-stream as one event). `data` is JSON: `token` {"ids", "text"}, `done` a
 # SummarizeResponse, `error` an ErrorResponse.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": ["token", "done", "error"]},
@@ -310,16 +310,19 @@ def _common(body: _Body, header_timeout: str | None, limits: Limits, arrived: fl
         check_text(d, "document" if body.document is not None else f"documents[{i}]", limits.max_document_bytes)
     timeout = body.timeout
     if timeout is None and header_timeout is not None:
+        accepted = (f"X-Request-Timeout {header_timeout!r}: give a number of seconds from {MIN_TIMEOUT_S:g} to "
+                    f"{limits.max_timeout_s:g} (the server's max_request_timeout_s)")
         try:
             timeout = float(header_timeout)
         except ValueError:
-            raise InvalidRequest(f"X-Request-Timeout {header_timeout!r} is not a number of seconds") from None
-        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:
-            raise InvalidRequest(f"X-Request-Timeout must be at least {MIN_TIMEOUT_S} seconds")
+            raise InvalidRequest(accepted) from None
+        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:  # inf and nan are no deadline
+            raise InvalidRequest(accepted)
     if timeout is None:
         timeout = limits.default_timeout_s
     if timeout > limits.max_timeout_s:
-        raise InvalidRequest(f"timeout {timeout} s exceeds the server's maximum of {limits.max_timeout_s} s")
+        raise InvalidRequest(f"timeout {timeout:g} s exceeds the server's maximum of {limits.max_timeout_s:g} s "
+                             f"(its max_request_timeout_s)")
     # the deadline counts from the request's arrival, as its client's clock does (not from here,
     # after the body was read and parsed)
     return Common(body.model, tuple(docs), (time.monotonic() if arrived is None else arrived) + timeout)

@@ -56,6 +56,16 @@ def test_bodies_that_do_not_parse_are_422_in_the_error_shape(body, message):
     assert_error(r, 422, "invalid_request", message)
 
 
+@pytest.mark.parametrize("header", ["inf", "-inf", "nan", "1e999", "Infinity", "0", "-1"])
+def test_a_timeout_header_that_is_no_deadline_says_what_is_accepted(header):
+    """Issue 38, item 9: `X-Request-Timeout: inf` was answered "must be at least 0.001 seconds"."""
+    (r,) = post_all([("/v1/classify", {"json": {"document": "good"}, "headers": {"x-request-timeout": header}})],
+                    max_request_timeout_s=120)
+    assert_error(r, 422, "invalid_request",
+                 f"X-Request-Timeout {header!r}: give a number of seconds from 0.001 to 120 (the server's "
+                 f"max_request_timeout_s)")
+
+
 def test_wrong_method_is_405_and_unknown_path_404_whatever_the_content_type():
     rs = post_all([("/livez", {}), ("/livez", {"content": b"{}", "headers": JSON}),
                    ("/v1/models", {"content": b"x", "headers": {"content-type": "text/plain"}}),

@@ -18,10 +18,13 @@ def add_commands(subparsers) -> None:
                                           f"model_type is one of {families} to a self-contained ONNX model "
                                           f"directory.")
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
-                                          "tokenizer.json")
+                                          "tokenizer.json; --task embed: a sentence-transformers folder as shipped "
+                                          "(modules.json, 1_Pooling/)")
     p.add_argument("output_dir", help="model directory to write (manifest.json, encoder.onnx, ...)")
-    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize"],
-                   help="what the model directory serves (required; must match the checkpoint's architecture)")
+    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize", "embed"],
+                   help="what the model directory serves (required; must match the checkpoint's architecture); "
+                        "embed: one vector per text, pooled and normalized as the folder's sentence-transformers "
+                        "modules say")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"],
                    help="weights of the graphs; int8: dynamic quantization of the MatMul weights (default: fp32)")
     p.add_argument("--int8-attention", default="off",

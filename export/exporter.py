@@ -60,6 +60,19 @@ def activations_of(config) -> list[str]:
             *(name for v in config.values() for name in activations_of(v))]
 
 
+def sentence_embedding(directory: Path):
+    """What an embed export reads from a sentence-transformers folder (its Transformer module's
+    checkpoint, pooling, normalization, tokens per text; longdoc.export.sentence_transformers)."""
+    from longdoc.export.sentence_transformers import SentenceTransformersError, read_sentence_transformers
+
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    try:
+        return read_sentence_transformers(directory)
+    except SentenceTransformersError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def exportable_model_types(task: str) -> list[str]:
     """The model types whose checkpoints export for `task` (records whose lowering is written)."""
     return [t for t in model_types_for(task) if not LOWERINGS[t].not_implemented]
@@ -228,6 +241,11 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
     if attention not in LONGFORMER_ATTENTION:
         raise CheckpointError(f"attention {attention!r} is not one of {', '.join(LONGFORMER_ATTENTION)}")
+    embedding = None
+    if task == "embed":  # a sentence-transformers folder: its Transformer module is the checkpoint
+        embedding = sentence_embedding(checkpoint_dir)
+        progress(f"reading {embedding.described}")
+        checkpoint_dir = embedding.checkpoint_dir
     config = read_config(checkpoint_dir)
     task = task_of(config, task)
     lowering = lowering_of(config)
@@ -250,8 +268,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
 
     built = lowering.build(weights, config, BuildRequest(task=task, dtype=graph_dtype, int8_attention=int8_attention,
-                                                         attention=attention, sparse_gather=sparse_gather,
-                                                         progress=progress))
+                                                         attention=attention, progress=progress,
+                                                         pooling=embedding.pooling if embedding else "mean",
+                                                         sparse_gather=sparse_gather))
     graphs, decoder = built.graphs, built.decoder
     if decoder is not None:
         decoder = {**decoder, "generation": generation_defaults(checkpoint_dir, config)}
@@ -273,7 +292,13 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             else:
                 save_model(model, path)
             progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        if (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
+        cuts = [name for name, value in (("truncation", tokenizer.truncation), ("padding", tokenizer.padding)) if value]
+        if cuts:  # the service windows whole documents: a tokenizer that cuts or pads them would lose text
+            progress(f"{TOKENIZER_NAME}: dropped the checkpoint tokenizer's {' and '.join(cuts)}")
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
+            tokenizer.save(str(staging / TOKENIZER_NAME))
+        elif (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
             shutil.copyfile(checkpoint_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
         else:
             tokenizer.save(str(staging / TOKENIZER_NAME))
@@ -284,6 +309,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             labels = [id2label[str(i)] for i in range(len(id2label))]
         special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
         min_length, max_length, full_max = length_bounds(config, attention)
+        if embedding is not None and embedding.max_seq_length:  # the window sentence-transformers embeds
+            max_length = min(max_length, embedding.max_seq_length // bs * bs)
+            full_max = min(full_max, max_length)
         layers = layer_attention_dicts(config, plan)
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [record.tasks[task]])[0], dtype=dtype,
@@ -297,6 +325,7 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
             int8_weights=int8_weights, sparse_gather=sparse_gather,
             summarize_input=record.summarize_input if task == "summarize" else "doc-eos",
+            embedding=embedding.manifest_entry() if embedding else None,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)

@@ -38,16 +38,20 @@ TASK_OUTPUTS = {
     "classify": ("logits",),
     "mlm": ("logits",),
     "summarize": ("last_hidden_state",),
+    "embed": ("embedding",),
 }
+# task "embed": sentence-transformers' Pooling modes the export computes in the graph
+EMBEDDING_POOLING = ("mean", "cls")
 
 
 # the special-token ids each task's runtime uses (the windows' [CLS]/[SEP], padding, decoding)
 REQUIRED_SPECIAL_TOKENS = {"qa": ("pad", "cls", "sep"), "classify": ("pad", "cls", "sep"), "mlm": ("pad",),
-                           "summarize": ("pad", "eos", "decoder_start")}
+                           "summarize": ("pad", "eos", "decoder_start"), "embed": ("pad", "cls", "sep")}
 # the outputs with one row per token, (B, S, ...), per task: the runtime strips padding from them and
 # the batcher cuts them to each sequence's own length (the others are (B, ...) per sequence)
 PER_TOKEN_OUTPUTS = {"qa": frozenset({"start_logits", "end_logits"}), "classify": frozenset(),
-                     "mlm": frozenset({"logits"}), "summarize": frozenset({"last_hidden_state"})}
+                     "mlm": frozenset({"logits"}), "summarize": frozenset({"last_hidden_state"}),
+                     "embed": frozenset()}
 
 
 class ManifestError(ValueError):
@@ -93,6 +97,10 @@ class Manifest:
     # one AttentionSpec dict per encoder layer when the layers' attention differs (a Longformer's
     # per-layer attention_window); None: every layer's is `attention`. See `layer_attention_specs`.
     layer_attention: list[dict[str, Any]] | None = None
+    # task "embed": {"pooling": EMBEDDING_POOLING (computed in the graph), "normalize": bool (the
+    # service scales each text's vector to unit length)}, read from the checkpoint's
+    # sentence-transformers modules (longdoc.export.sentence_transformers); None for other tasks
+    embedding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -235,6 +243,14 @@ def validate(m: Manifest) -> list[str]:
         problems.append("labels must be a list of strings or null")
     if m.task == "classify" and not m.labels:
         problems.append("task 'classify' needs labels")
+    if m.task == "embed":
+        e = m.embedding
+        if not (isinstance(e, dict) and e.get("pooling") in EMBEDDING_POOLING
+                and isinstance(e.get("normalize"), bool) and set(e) == {"pooling", "normalize"}):
+            problems.append(f"task 'embed' needs embedding {{\"pooling\": {' or '.join(EMBEDDING_POOLING)}, "
+                            f"\"normalize\": true or false}}, got {e!r}")
+    elif m.embedding is not None:
+        problems.append(f"embedding is for task 'embed', not {m.task!r}")
     needed = REQUIRED_SPECIAL_TOKENS.get(m.task, ())
     missing = [name for name in needed if not isinstance((m.special_tokens or {}).get(name), int)]
     if missing:

@@ -14,7 +14,7 @@ from longdoc.export.lowering import (Weights, build_b2b_decoder, build_b2b_encod
                                      build_led_decoder, build_led_encoder, build_longformer_encoder,
                                      build_modernbert_encoder, build_pegasus_decoder, build_pegasus_encoder)
 from longdoc.model.layout import modernbert_layer_specs
-from longdoc.model.registry import REGISTRY, Architecture
+from longdoc.model.registry import REGISTRY, Architecture, bert_blocks
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class BuildRequest:
     attention: str = "sparse"  # longdoc.export.lowering.LONGFORMER_ATTENTION
     sparse_gather: str = "gather"  # longdoc.export.manifest.SPARSE_GATHER
     progress: Callable[[str], None] = print
+    pooling: str = "mean"  # task "embed": longdoc.export.lowering.EMBEDDING_POOLING
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,13 @@ def build_bigbird(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building encoder graph ({config['num_hidden_layers']} layers, {r.dtype})")
     return Graphs({"encoder": build_bigbird_encoder(w, config, r.task, r.dtype, _block_sparse(config),
                                                     sep_token_id=config.get("sep_token_id"),
-                                                    int8_attention=r.int8_attention,
+                                                    int8_attention=r.int8_attention, pooling=r.pooling,
                                                     sparse_gather=r.sparse_gather)})
+
+
+def build_bert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
+    """BERT: BigBird's graph with full attention (longdoc.model.bert), no layout inputs."""
+    return build_bigbird(w, bert_blocks(config), r)
 
 
 def build_longformer(w: Weights, config: dict, r: BuildRequest) -> Graphs:
@@ -118,7 +124,7 @@ def build_modernbert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building ModernBERT encoder graph ({len(kinds)} layers: {kinds.count('band')} band, "
                f"{kinds.count('dense')} dense; {r.dtype}" + (f"; int8 attention {r.int8_attention} in the dense "
                                                             "layers" if r.int8_attention != "off" else "") + ")")
-    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype, r.int8_attention)})
+    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype, r.int8_attention, r.pooling)})
 
 
 def build_b2b(w: Weights, config: dict, r: BuildRequest) -> Graphs:
@@ -143,4 +149,7 @@ register_lowering("longformer", build_longformer, unused=("longformer.embeddings
 register_lowering("bigbird_pegasus", build_pegasus)
 register_lowering("led", build_led, no_int8_attention=_WINDOW_FP32, no_sparse_gather=_BAND_GATHER)
 register_lowering("encoder-decoder", build_b2b, unused=("encoder.pooler.weight", "encoder.pooler.bias"))
-register_lowering("modernbert", build_modernbert, no_sparse_gather=_BAND_GATHER)  # --int8-attention: its dense layers (the band stays fp32)
+register_lowering("bert", build_bert, unused=("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"),
+                  no_sparse_gather="attends fully (no block tables to gather by)")
+register_lowering("modernbert", build_modernbert,  # --int8-attention: its dense layers (the band stays fp32)
+                  no_sparse_gather=_BAND_GATHER)

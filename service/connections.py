@@ -63,11 +63,23 @@ def framing_ambiguity(request: h11.Request) -> str | None:
     return None
 
 
+def head_bytes(request: h11.Request) -> int:
+    """The bytes of a request's line and headers (as h11 parsed them: at most the bytes sent)."""
+    line = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n") + 1
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()) + 2
+
+
 class StrictConnection(h11.Connection):
-    """h11's connection that also refuses ambiguous framing, and keeps the protocol error it
-    raised (`error`) so that the answer can say what it was, with h11's status."""
+    """h11's connection that also refuses ambiguous framing and a head over its size limit
+    however it arrived (h11 checks `max_incomplete_event_size` only while a head is incomplete,
+    so a 100 kB head in one read passed), and keeps the protocol error it raised (`error`) so
+    that the answer can say what it was, with h11's status."""
 
     error: h11.RemoteProtocolError | None = None
+
+    def __init__(self, our_role, max_incomplete_event_size: int = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE):
+        super().__init__(our_role, max_incomplete_event_size)
+        self.max_head_bytes = max_incomplete_event_size
 
     def next_event(self):
         try:
@@ -75,9 +87,13 @@ class StrictConnection(h11.Connection):
         except h11.RemoteProtocolError as exc:
             self.error = exc
             raise
-        if isinstance(event, h11.Request) and (why := framing_ambiguity(event)) is not None:
-            self.error = h11.RemoteProtocolError(why, error_status_hint=400)
-            raise self.error
+        if isinstance(event, h11.Request):
+            if head_bytes(event) > self.max_head_bytes:
+                self.error = h11.RemoteProtocolError("request head too long", error_status_hint=431)
+                raise self.error
+            if (why := framing_ambiguity(event)) is not None:
+                self.error = h11.RemoteProtocolError(why, error_status_hint=400)
+                raise self.error
         return event
 
 

@@ -32,10 +32,10 @@ def add_commands(subparsers) -> None:
                    help="with --dtype int8, also run the encoder attention's two products (Q.K^T, P.V) as "
                         "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
                         "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
-                        "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
+                        "with the fixed probability scale 1/255 (docs/export.md, dtypes; default: off)")
     p.add_argument("--int8-weights", default="per-tensor", choices=INT8_WEIGHTS,
                    help="with --dtype int8, the dense layers' weight scales: one per matrix, or one per output "
-                        "column (closer to fp32; the shipped summarizer uses it, docs/model-summarize.md) "
+                        "column (closer to fp32; the shipped summarizer uses it, docs/models.md) "
                         "(default: %(default)s)")
     p.add_argument("--sparse-gather", default="gather", choices=SPARSE_GATHER,
                    help="BigBird's block-sparse attention (BigBird, BigBird-Pegasus, BERT2BERT): how each query "
@@ -47,7 +47,7 @@ def add_commands(subparsers) -> None:
                    help="Longformer only: sparse = the checkpoint's window and global tokens; full = a benchmark "
                         "baseline, every token attends to every token with the ordinary projections (what a plain "
                         "ONNX export of Longformer runs), equal to the checkpoint's outputs only when the window "
-                        "covers the whole input (docs/longformer.md; default: sparse)")
+                        "covers the whole input (docs/export.md, Longformer; default: sparse)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],

@@ -65,7 +65,7 @@ def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -
     """Consecutive runs of `lengths` (in order) whose padded cost, the longest one's bucket length
     times the count, stays within `max_batch_tokens`; a sequence over the budget alone runs alone.
     The decode scheduler's newcomers are encoded this way (`OnnxWorker.begin`), as the encoder
-    batcher's batches are: on a CPU one 4096-token document at a time (docs/decode_concurrency.md)."""
+    batcher's batches are: on a CPU one 4096-token document at a time."""
     groups, start, longest = [], 0, 0
     for i, n in enumerate(lengths):
         bucket = bucket_length(n, bucket_size)

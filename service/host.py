@@ -4,12 +4,12 @@ model's `ModelInfo` and a validated job, and the pool that runs them beside the 
     event loop (one process): HTTP, body checks, validation, batchers, responses
         -> HostPool.call(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / qa_spans
 
-Per 4096-token QA document the tokenizer takes about 20 ms of CPU and answer shaping 2 ms,
-against well under a millisecond for the rest of the request (docs/service.md, "Host path"); in
-one process that work is serialized in front of the device. So it runs in a pool:
+Per document, tokenization and answer shaping are most of the host's CPU work (docs/service.md,
+"Host work"; docs/benchmarks.md, "The host path"); in one process that work is serialized in front
+of the device. So it runs in a pool:
 
-- processes (`host_processes` > 0, the default on more than one core): a spawned
-  ProcessPoolExecutor. Each process receives every served model's `ModelInfo` (its tokenizer
+- processes (`host_processes` > 0, the default on more than one core): spawned processes that the
+  event loop drives itself over pipes (`_PoolProcess`, no executor threads). Each process receives every served model's `ModelInfo` (its tokenizer
   included) once, when it starts; a call sends the model's name and the job (the documents' text)
   and gets compact numpy arrays back. The event loop only shuttles them: the one batcher per
   model still sees every request, so batches form across all of them, and the metrics stay in
@@ -79,7 +79,7 @@ def encode(info, text: str, limit: int, what: str = "document"):
     if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
         raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
     if len(enc) > limit:
-        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
+        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens", "max_document_tokens")
     return enc.ids, enc.offsets
 
 

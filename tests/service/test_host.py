@@ -6,7 +6,6 @@ served. And bench/host_path.py (the host path's capacity with a null engine) run
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import shutil
@@ -212,47 +211,3 @@ def test_host_path_bench_runs(tmp_path):
     assert row["mode"] == "pool" and row["cores"] == 1 and row["requests"] > 0 and row["docs_per_s"] > 0
     assert row["pool_cpu_ms_per_doc"] > 0  # the host work ran in the pool process
     assert plot.stat().st_size > 0
-
-
-def test_the_host_path_table_in_the_docs_is_the_results_file():
-    from tests.bench_scripts import load_bench
-
-    bench = load_bench("host_path")
-    summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
-    assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()
-
-
-def test_the_host_path_rerun_in_the_docs_is_its_results_file():
-    summary = json.loads((ROOT / "docs" / "host_path-2026-11-27.json").read_text())["summary"]
-    row = {(r["mode"], r["cores"]): r for r in summary}
-    one, two, threads = row["pool", 1], row["pool", 2], row["threads", 2]
-    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    assert (f"pool 2 cores / 1 core = **{two['vs_1_core']:.2f}x** ({two['docs_per_s']:.1f} against "
-            f"{one['docs_per_s']:.1f} docs/s, {two['server_cores_busy']:.2f} cores busy, "
-            f"{two['loop_cpu_ms_per_doc']:.1f} ms of event-loop CPU per document; threads "
-            f"{threads['vs_1_core']:.2f}x)") in text
-
-
-def test_the_front_ends_table_in_the_docs_is_its_results_file():
-    from tests.bench_scripts import load_bench
-
-    bench = load_bench("host_path")
-    summary = json.loads((ROOT / "docs" / "host_path_front_ends.json").read_text())["summary"]
-    text = (ROOT / "docs" / "service.md").read_text()
-    assert bench.markdown_table(summary) in text
-    row = {r["mode"]: r for r in summary}
-    flat = " ".join(text.split())
-    assert (f"engine's event-loop CPU per document: {row['fe2']['loop_cpu_ms_per_doc']:.1f} ms against "
-            f"{row['pool']['loop_cpu_ms_per_doc']:.1f} ms") in flat
-
-
-def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
-    """docs/service.md's interleaved comparison of the pool driven by the event loop against the
-    executor it replaced states each round's event-loop CPU per document and docs/s as the
-    results files (docs/host_path_ab/) hold them."""
-    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    for comparison, version in itertools.product(("pool", "ipc"), ("new", "old")):  # ipc: the pipe changes
-        rounds = [json.loads((ROOT / "docs" / "host_path_ab" / f"{comparison}-{version}-round{i}.json").read_text())
-                  ["summary"][0] for i in (1, 2, 3)]
-        assert " / ".join(f"{r['loop_cpu_ms_per_doc']:.1f}" for r in rounds) in text, (comparison, version)
-        assert " / ".join(f"{r['docs_per_s']:.1f}" for r in rounds) in text, (comparison, version)

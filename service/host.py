@@ -79,7 +79,7 @@ def encode(info, text: str, limit: int, what: str = "document"):
     if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
         raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
     if len(enc) > limit:
-        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
+        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens", "max_document_tokens")
     return enc.ids, enc.offsets
 
 

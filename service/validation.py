@@ -37,7 +37,7 @@ def scan_json_tokens(body: bytes, limit: int, chunk: int = 1 << 18):
         n += 1
         if n > limit:
             raise TooLarge(f"request body has over {limit} JSON strings and separators; "
-                           f"this API's requests need far fewer")
+                           f"this API's requests need far fewer: a few per document", "max_documents")
         pos = m.end()
         if m.group() != b'"':
             continue
@@ -294,7 +294,7 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
     except UnicodeEncodeError:
         raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
     if len(encoded) > max_bytes:
-        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes")
+        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes", "max_document_bytes")
     if not _NOT_BLANK.search(text):  # one regex search in C, not a Python loop over a 2 MB text
         raise InvalidRequest(f"{what} is empty or only whitespace or invisible characters")
     if _may_have_control(encoded) and (bad := _CONTROL.search(text)):
@@ -305,7 +305,7 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
 def _common(body: _Body, header_timeout: str | None, limits: Limits, arrived: float | None) -> Common:
     docs = [body.document] if body.document is not None else list(body.documents or [])
     if len(docs) > limits.max_documents:
-        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request")
+        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request", "max_documents")
     for i, d in enumerate(docs):
         check_text(d, "document" if body.document is not None else f"documents[{i}]", limits.max_document_bytes)
     timeout = body.timeout

@@ -18,7 +18,7 @@ its next request when the previous is answered, so the client's own cost per req
 Prints a table, writes a JSON results file (--out) and a plot (--plot). Modes (--mode NAME=FLAGS,
 repeatable) are `longdoc serve` flags, `{cores}` replaced by the point's core count: `one-process`
 is the default server, `front-ends` runs `--front-ends {cores}` (one front end per core, in front
-of the engine process). Numbers and the commands that produced them: docs/service.md ("Host path").
+of the engine process). Numbers and the commands that produced them: docs/benchmarks.md ("The host path").
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class BodyLimitMiddleware:
             return await error_response(UnsupportedMediaType(
                 f"content type {ctype.decode('latin-1') or 'missing'}: send application/json"))(scope, receive, send)
         length = headers.get(b"content-length")
-        too_large = TooLarge(f"request body over {self.max_bytes} bytes")
+        # max_bytes: max_document_bytes x max_documents, and 64 KiB for the other fields (create_app)
+        too_large = TooLarge(f"request body over {self.max_bytes} bytes", "max_document_bytes", "max_documents")
         busy = Unavailable("too many request bytes in flight; retry later", {"Retry-After": "1"})
         if length is not None and length.isdigit():
             if int(length) > self.max_bytes:

@@ -67,6 +67,7 @@ class Service:
         self.ready = False
         self.draining = False
         self.drain_deadline = float("inf")
+        self.drain_started, self.drain_cut_after = 0.0, None  # seconds into the grace of a second signal
         self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
         self.in_flight = 0  # requests being served (streams until their last event), as logged at shutdown
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
@@ -89,14 +90,28 @@ class Service:
         the grace period (`shutdown_grace_s` unless given) starts now, and when it is over every
         request still running is answered 503 shutting_down by `serve` (streams get `event:
         error`). A later call with a shorter grace brings its end forward (a second Ctrl-C: 0)."""
-        deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        now = time.monotonic()
+        deadline = now + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
         first = not self.draining
         if first or deadline < self.drain_deadline:
+            if first:
+                self.drain_started = now
+            else:  # the grace cut short, `shutdown_message` says when
+                self.drain_cut_after = now - self.drain_started
             self.draining = True
             self.drain_deadline = deadline
             self.metrics.refresh_ready()
             if self.loop is not None:  # logged and timed on the loop, not in the signal handler
                 self.loop.call_soon_threadsafe(self._arm_drain_timer, first)
+
+    def shutdown_message(self, what: str) -> str:
+        """The 503 shutting_down of a request (`what`: "request", "stream") still running when the
+        grace is over: the grace ran out, or a second signal ended it early."""
+        grace = self.settings.shutdown_grace_s
+        if self.drain_cut_after is None:
+            return f"server is shutting down; the {what} did not finish within the {grace:g} s grace period; retry"
+        return (f"server is shutting down: a second signal ended the {grace:g} s grace period after "
+                f"{self.drain_cut_after:.1f} s, before the {what} finished; retry")
 
     def _arm_drain_timer(self, first: bool) -> None:
         left = max(0.0, self.drain_deadline - time.monotonic())
@@ -176,9 +191,7 @@ class Service:
                 task.cancel()
                 if watcher not in done:  # the shutdown grace is over: answer before uvicorn gives up
                     m.failures.labels(endpoint, ShuttingDown.reason).inc()
-                    return error_response(ShuttingDown(
-                        f"server is shutting down; the request did not finish within the "
-                        f"{self.settings.shutdown_grace_s:g} s grace period; retry"))
+                    return error_response(ShuttingDown(self.shutdown_message("request")))
                 m.failures.labels(endpoint, "cancelled").inc()  # the client went away
                 return Response(status_code=499)
             try:

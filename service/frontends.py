@@ -9,7 +9,7 @@
 
 One process parses, validates, tokenizes and shapes every answer in front of the device otherwise
 (about 3 ms of its event loop per 4096-token QA document: one process tops out near 300 docs/s,
-docs/service.md "Host path"). Every submission still reaches the one batcher of its model, so
+docs/benchmarks.md "The host path"). Every submission still reaches the one batcher of its model, so
 batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
 backend, are split the same way.
 

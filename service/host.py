@@ -6,9 +6,10 @@ tokenizers' `encode_batch` releases the GIL, the rest holds it):
         -> Service.host_work(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / qa_spans
 
 Per 4096-token QA document the tokenizer takes about 12-20 ms of CPU and answer shaping 1-2 ms,
-against about 3 ms for the rest of the request in the event loop (docs/service.md, "Host path").
-More cores are used by more processes: `longdoc serve --front-ends N` (service/frontends.py) runs
-N processes that each do this work for their own connections, in front of one engine process.
+against about 3 ms for the rest of the request in the event loop (docs/service.md, "Front ends";
+docs/benchmarks.md, "The host path"). More cores are used by more processes: `longdoc serve
+--front-ends N` (service/frontends.py) runs N processes that each do this work for their own
+connections, in front of one engine process.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def encode(info, text: str, limit: int, what: str = "document"):
     if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
         raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
     if len(enc) > limit:
-        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens")
+        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens", "max_document_tokens")
     return enc.ids, enc.offsets
 
 

@@ -84,11 +84,20 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
     body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
     max_connections: int = Field(
-        512, ge=1, description="open connections; over it a new one closes the oldest idle connection of the "
-                               "client holding the most, or gets 503 when none is idle")
+        512, ge=1, description="open connections; over it a new one closes a dawdling connection or the slowest "
+                               "body of the client holding the most, or gets 503 (a probe is answered)")
     max_connections_per_client: int = Field(
-        128, ge=1, description="open connections from one client address (behind a proxy: the proxy's); over it "
-                               "a new one closes that client's oldest idle connection, or gets 503 when none is idle")
+        128, ge=1, description="open connections from one client address (behind a trusted proxy: the forwarded "
+                               "client's requests); over it a new one closes one of that client's dawdling "
+                               "connections or its slowest body, or gets 503 (a probe is answered)")
+    min_upload_bytes_per_s: float = Field(
+        1024, gt=0, description="a request body must arrive at this rate on average after its first second, "
+                                "else 408 and the connection closes")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, json_schema_extra={"flag": "trusted-proxy", "metavar": "ADDRESS|NETWORK"},
+        description="proxies whose X-Forwarded-For names the client (repeatable; e.g. 10.0.0.0/8): per-client "
+                    "limits then count that client; from any other address the header is ignored; unset: "
+                    "ignored from every address")
     max_body_bytes_in_flight: int = Field(
         256 * 2**20, ge=1, description="request body bytes buffered by all unanswered requests; over it 503")
 
@@ -162,6 +171,18 @@ class Settings(BaseSettings):
                 raise ValueError(f"api_key_file {self.api_key_file} holds no keys")
             keys += from_file
         return keys
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, proxies: list[str]) -> list[str]:
+        import ipaddress
+
+        for proxy in proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(f"{proxy!r} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8)") from None
+        return proxies
 
     @field_validator("devices")
     @classmethod

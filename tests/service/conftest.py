@@ -120,7 +120,7 @@ def streamed_tokens(url: str, documents: list[str], max_new_tokens: int) -> list
             assert r.status_code == 200
             events = sse_events(r.iter_lines())
         assert events[-1][0] == "done"
-        out.append([d["id"] for n, d in events if n == "token"])
+        out.append([i for n, d in events if n == "token" for i in d["ids"]])
     return out
 
 

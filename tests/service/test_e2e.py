@@ -154,7 +154,7 @@ def test_summarize_streaming_and_joining_match_offline_greedy(tiny_summarize_dir
         assert metric(server.url, 'longdoc_batch_size_count{model="sum"}') > one  # they shared decoder steps
     for i, doc in enumerate(docs):
         events = results[i]
-        tokens = [d["id"] for name, d in events if name == "token"]
+        tokens = [i for name, d in events if name == "token" for i in d["ids"]]
         assert events[-1][0] == "done"
         final = events[-1][1]["results"][0]
         assert tokens == greedy_offline(offline["sum"], doc, 40), i

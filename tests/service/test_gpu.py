@@ -87,7 +87,15 @@ def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model):
 def test_full_attention_query_chunks_run_on_cuda(tmp_path, monkeypatch):
     """ModernBERT's full layers run their queries in chunks sized in the graph, most of them empty
     at short lengths (export/sparse_attention.py `query_chunk_sizes`): the CUDA provider takes the
-    zero-row Split outputs, MatMuls and Softmaxes, and answers as the CPU does (fp16 criterion)."""
+    zero-row Split outputs, MatMuls and Softmaxes, and answers as the CPU does (fp16 criterion) at
+    every position a user can get an answer from: the real tokens (export/windows.py `best_spans`
+    reads document tokens only; `verify` compares real positions only).
+
+    Padding positions need not agree, and did not on an H200 (6 of 200 start logits, by up to 0.054,
+    all past the mask): a padding query whose band holds only padding keys has every score at
+    s + NEG_INF (-10000). fp16 rounds that sum in steps of 8, so its softmax is uniform over those
+    keys, while fp32 keeps the score differences (steps of 0.001): the row's output differs by
+    construction, and nothing reads it."""
     from longdoc.export import sparse_attention
     from longdoc.export.exporter import export_model
     from longdoc.testing.tiny_models import make_tiny_modernbert
@@ -104,6 +112,9 @@ def test_full_attention_query_chunks_run_on_cuda(tmp_path, monkeypatch):
         mask = np.ones_like(ids)
         mask[1, max(1, S // 2):] = 0
         got, want = gpu.run_encoder(ids, mask), cpu.run_encoder(ids, mask)
+        real = mask.astype(bool)  # (2, S): the positions an answer can come from
         for name in want:
-            np.testing.assert_allclose(got[name], want[name], atol=_scaled(TOLERANCE["fp16"], want[name], "fp16"),
-                                       rtol=0, err_msg=f"{name} at {S} tokens")
+            assert want[name].shape == mask.shape, name  # start/end logits, one per token
+            g, w = got[name][real], want[name][real]
+            np.testing.assert_allclose(g, w, atol=_scaled(TOLERANCE["fp16"], w, "fp16"), rtol=0,
+                                       err_msg=f"{name} at {S} tokens, real positions")

@@ -96,23 +96,3 @@ def test_host_path_bench_runs(tmp_path):
     assert row["flags"] == "--front-ends {cores}" and "--front-ends 2" in row["command"]
     assert row["pool_cpu_ms_per_doc"] > 0  # the host work ran in the front end, a child process
     assert plot.stat().st_size > 0
-
-
-def test_the_host_path_table_in_the_docs_is_the_results_file():
-    from tests.bench_scripts import load_bench
-
-    bench = load_bench("host_path")
-    summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
-    text = (ROOT / "docs" / "service.md").read_text()
-    assert bench.markdown_table(summary) in text
-    fe = {(r["mode"], r["cores"]): r for r in summary}["front-ends", 2]
-    assert (f"average {fe['load_average']:.1f}) left the server about {fe['server_cores_busy']:.2f} of a core "
-            f"whatever it was given, so the front ends' {fe['vs_1_core']:.2f}x") in " ".join(text.split())
-
-
-def test_the_front_ends_figures_in_the_docs_are_their_results_file():
-    summary = json.loads((ROOT / "docs" / "host_path_front_ends.json").read_text())["summary"]
-    row = {r["mode"]: r for r in summary}
-    flat = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    assert (f"{row['fe2']['loop_cpu_ms_per_doc']:.1f} ms of its CPU per document against "
-            f"{row['pool']['loop_cpu_ms_per_doc']:.1f} ms for one process's event loop") in flat

@@ -217,7 +217,7 @@ def test_a_stream_is_measured_to_its_last_event():
         with httpx.stream("POST", server.url + "/v1/summarize",
                           json={"document": "w1 w2 w3 w4", "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"ids"')
             during = scrape()  # the stream is at its first token, the next decoder step is held
             worker.gate.set()
             rest = [line for line in lines if line.startswith("data: ")]
@@ -239,6 +239,24 @@ def test_a_stream_is_measured_to_its_last_event():
     assert sample(after, "longdoc_request_duration_seconds_sum", **labels) >= \
         sample(after, "longdoc_inference_duration_seconds_sum", **labels)
     assert sample(gone, "longdoc_in_flight_requests", endpoint="summarize") == 0
+
+
+def test_time_to_first_token_of_streams():
+    """Issue 38, item 9: streams had no time-to-first-token histogram. One observation per stream
+    (none for a summary answered whole), within the request's whole time."""
+    async def go():
+        async with running_app(models={"sum": "summarize"}) as c:
+            async with c.stream("POST", "/v1/summarize", json={"document": "w1 w2 w3 w4", "stream": True}) as r:
+                assert r.status_code == 200
+                await r.aread()
+            assert (await c.post("/v1/summarize", json={"document": "w1 w2 w3 w4"})).status_code == 200
+            return (await c.get("/metrics")).text
+
+    text = run(go())
+    first = dict(model="sum", length_bucket="le_8")
+    assert sample(text, "longdoc_time_to_first_token_seconds_count", **first) == 1
+    assert 0 < sample(text, "longdoc_time_to_first_token_seconds_sum", **first) <= \
+        sample(text, "longdoc_request_duration_seconds_sum", endpoint="summarize", **first)
 
 
 def test_metrics_have_no_created_series():

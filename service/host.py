@@ -5,7 +5,7 @@ model's `ModelInfo` and a validated job, and the pool that runs them beside the 
         -> HostPool.call(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / qa_spans
 
 Per document, tokenization and answer shaping are most of the host's CPU work (docs/service.md,
-"Host work"; docs/benchmarks.md, "The host path"); in one process that work is serialized in front
+"Front ends"; docs/benchmarks.md, "The host path"); in one process that work is serialized in front
 of the device. So it runs in a pool:
 
 - processes (`host_processes` > 0, the default on more than one core): spawned processes that the

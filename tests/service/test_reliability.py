@@ -45,18 +45,18 @@ def test_admission_charges_the_whole_cost_and_estimates_the_wait():
         admit("m", budget, rate, queued=0, cost=3001)  # never fits: 413, not a lockout
     with pytest.raises(Overloaded) as exc:
         admit("m", budget, rate, queued=2500, cost=1500)  # large: must fit under 3000
-    assert exc.value.headers["Retry-After"] == "4"  # queue + request: 4000 tokens at 1000 tokens/s
+    assert exc.value.headers["Retry-After"] == "1"  # admitted once 1000 tokens have drained at 1000 tokens/s
     admit("m", budget, rate, queued=2500, cost=1000)  # small: may use the reserve
     with pytest.raises(Overloaded) as exc:
         admit("m", budget, rate, queued=9000, cost=1000)
-    assert exc.value.headers["Retry-After"] == "10"  # 9000 queued + 1000 must drain
+    assert exc.value.headers["Retry-After"] == "6"  # 6000 must drain for 9000 + 1000 to fit 4000
 
 
 def test_admission_bounds_the_wait_in_seconds():
     """Issue 29: the queue is bounded in time too. At the measured drain rate, a request that would
-    wait longer than max_wait_s behind the queue gets 429 with the wait as Retry-After, although its
-    tokens fit; an empty queue always takes one request; before any measurement only the token
-    budget applies."""
+    wait longer than max_wait_s behind the queue gets 429, although its tokens fit, with the time
+    until it would wait no longer as Retry-After; an empty queue always takes one request; before
+    any measurement only the token budget applies."""
     from longdoc.service.batcher import admit
     from longdoc.service.batching import DrainRate, QueueBudget
     from longdoc.service.errors import Overloaded
@@ -68,8 +68,52 @@ def test_admission_bounds_the_wait_in_seconds():
     admit("m", budget, rate, queued=8000, cost=2000)  # 10 s: admitted
     with pytest.raises(Overloaded, match="would wait about 11.0 s") as exc:
         admit("m", budget, rate, queued=9000, cost=2000)
-    assert exc.value.headers["Retry-After"] == "11"
+    assert exc.value.headers["Retry-After"] == "1"  # 1000 tokens later it would wait 10 s
+    with pytest.raises(Overloaded, match="would wait about 25.0 s") as exc:
+        admit("m", budget, rate, queued=23_000, cost=2000)
+    assert exc.value.headers["Retry-After"] == "15"
     admit("m", budget, rate, queued=0, cost=50_000)  # 50 s alone: an empty queue takes it
+
+
+def test_retry_after_is_when_the_same_request_would_be_admitted():
+    """Issue 38 item 6: Retry-After was the time for the whole queue and the request to drain
+    (11-12 s at 4x overload while the next request was admitted 0.2-0.5 s later). On a clock the
+    test moves, a queue draining 250 tokens every 0.25 s: for each refused request, the same
+    request is admitted (nothing else arriving) within the last second before its Retry-After."""
+    from longdoc.service.batcher import admit
+    from longdoc.service.batching import DrainRate, QueueBudget
+    from longdoc.service.errors import Overloaded
+
+    budget = QueueBudget(40_000, small_share=0.25, max_wait_s=10.0)  # large requests: at most 30,000 queued
+    for queued, cost in ((20_000, 2000), (11_000, 2000), (29_000, 12_000), (38_000, 2000), (10_500, 200)):
+        rate, now = DrainRate(), 0.0
+        rate.observe(1000, 1.0)
+        with pytest.raises(Overloaded) as exc:
+            admit("m", budget, rate, queued, cost)
+        retry_after = int(exc.value.headers["Retry-After"])
+        while True:  # the queue drains as measured; the client asks again every 0.25 s
+            now, queued = now + 0.25, queued - 250
+            rate.departed(250, now, still_queued=True)
+            try:
+                admit("m", budget, rate, queued, cost)
+                break
+            except Overloaded:
+                continue
+        assert retry_after - 1 < now <= retry_after, (queued, cost, retry_after, now)
+
+
+def test_the_drain_rate_is_tokens_leaving_a_backlogged_queue_per_second():
+    """Measured over wall time between departures while tokens wait (all workers together, gaps
+    included), not over one worker's run time; a request reaching an idle queue says nothing."""
+    from longdoc.service.batching import DrainRate
+
+    rate = DrainRate()
+    rate.departed(500, 0.0, still_queued=False)  # an idle queue: no measurement
+    rate.departed(500, 5.0, still_queued=True)  # the first of a backlog: from here
+    assert rate.tokens_per_s == 0.0
+    for i in range(1, 20):  # two workers, each taking 500 tokens every second, half a second apart
+        rate.departed(500, 5.0 + 0.5 * i, still_queued=True)
+    assert rate.tokens_per_s == pytest.approx(1000)
 
 
 def test_a_request_over_the_queue_budget_gets_413_not_a_lockout():
@@ -114,7 +158,7 @@ def test_small_requests_keep_a_share_of_the_queue_and_of_the_batches():
 
 def test_summarize_retry_after_is_the_measured_wait():
     """Decoding one sequence at a time, 1 s each (4 steps of 0.25 s): once the queue's drain rate
-    is measured, a request is told the time for the queue and itself to drain, not 1 s."""
+    is measured, a request is told the time until it would fit, not 1 s."""
     factory = fake_factory(summarize={"delay_s": 0.25, "summary_tokens": 3})
 
     async def go():
@@ -134,7 +178,8 @@ def test_summarize_retry_after_is_the_measured_wait():
     late, queued, rate = run(go())
     assert late.status_code == 429, late.text
     assert queued >= 60 and rate <= 20.5  # 20 tokens per second at most: 4 steps of at least 0.25 s
-    assert int(late.headers["retry-after"]) == math.ceil((queued + 64) / rate) >= 6
+    # admitted once queued + 64 <= 75: (queued + 64 - 75) tokens must drain first
+    assert int(late.headers["retry-after"]) == math.ceil((queued + 64 - 75) / rate) >= 3
 
 
 # ---- a model whose worker is down (item 4)

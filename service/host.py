@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from longdoc.export import windows as W
+from longdoc.model.tokenization import encode_within
 from longdoc.service.errors import InvalidRequest, TooLarge
 
 
@@ -28,15 +29,18 @@ from longdoc.service.errors import InvalidRequest, TooLarge
 
 
 def encode(info, text: str, limit: int, what: str = "document"):
-    # encode_batch releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB document, and
-    # every thread, the event loop and the request's deadline included, waits); the token count is
-    # checked before the ids and offsets become Python lists
-    (enc,) = info.tokenizer.encode_batch([text], add_special_tokens=False)
-    if len(enc) == 0:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
+    # tokenized in chunks until the limit is passed (model/tokenization.py encode_within): a 2 MB
+    # document over the limit costs about its first `limit` tokens, not the whole text. Through
+    # encode_batch, which releases the GIL while it runs (encode holds it: 2.2 s for a 2 MB
+    # document, and every thread, the event loop and the request's deadline included, waits)
+    ids, offsets, read = encode_within(info.tokenizer, text, limit)
+    if len(ids) > limit:
+        counted = f"{len(ids)} tokens" if read == len(text) else \
+            f"over {limit} tokens ({len(ids)} in its first {read} of {len(text)} characters)"
+        raise TooLarge(f"{what} has {counted}; the limit is {limit} tokens", "max_document_tokens")
+    if not ids:  # e.g. only characters this tokenizer's normalizer drops: nothing to answer from
         raise InvalidRequest(f"{what} has no tokens (only characters the model's tokenizer drops)")
-    if len(enc) > limit:
-        raise TooLarge(f"{what} has {len(enc)} tokens; the limit is {limit} tokens", "max_document_tokens")
-    return enc.ids, enc.offsets
+    return ids, offsets
 
 
 @dataclass(frozen=True)

@@ -529,7 +529,7 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._left_queue(sum(len(j.input_ids) for j in joining))
-        if getattr(self.slot.worker, "overlaps_encoding", False):  # encode beside the running batch's steps
+        if self.slot.worker.overlaps_encoding:  # encode beside the running batch's steps
             self._joining = joining
             self._encoding = asyncio.create_task(self._encode(joining), name=f"encoder-{self.model}")
             self._encoding.add_done_callback(lambda _: self._wake.set())

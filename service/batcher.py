@@ -157,8 +157,8 @@ def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: i
     their turn to clients that retried at once.)"""
     if cost > budget.max_request_tokens:
         raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
-                       f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
-                       f"share kept for small requests)")
+                       f"{budget.max_request_tokens} tokens: max_queue_tokens {budget.max_tokens} less the "
+                       f"share kept for small requests (small_request_share)", "max_queue_tokens")
     excess, late = budget.excess(queued, cost), budget.late(queued, cost, rate.tokens_per_s)
     if excess >= late and excess:
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "

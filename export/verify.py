@@ -31,7 +31,8 @@ on real positions only (padding is stripped/ignored):
   int8  task-level agreement with the fp32 reference on the same inputs, over every row of every
         check (`Agreement`, thresholds overridable): QA best span identical in >= 90% of rows and
         the reference's best span among the int8 top 3 in all; classify label identical in >= 95%;
-        MLM argmax tokens identical at >= 95% of real positions; summarize: fed the reference's
+        MLM argmax tokens identical at >= 95% of real positions; embed: the vector's cosine with the
+        reference's >= EMBED_COSINE (0.99) in >= 95% of rows; summarize: fed the reference's
         own greedy tokens, the export ranks each of the first `Agreement.tokens_prefix` (4) of them
         among its top 3 in >= 90% of rows. Identical greedy sequences are reported, not judged:
         one near tie broken the other way parts two greedy searches for good (the default
@@ -57,6 +58,7 @@ TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": None}
 QA_TOP = 3  # int8: the reference's best span must be among the int8 model's top QA_TOP spans
 GEN_TOP = 3  # int8 summarize: each of the reference's greedy tokens among the int8 model's top GEN_TOP
 QA_MAX_ANSWER_TOKENS = 30
+EMBED_COSINE = 0.99  # embed, int8: a row agrees when its vector's cosine with the reference's is at least this
 
 
 class VerifyError(ValueError):
@@ -198,6 +200,11 @@ class Reference:
         extra = {} if global_mask is None else {"global_attention_mask": t.from_numpy(global_mask)}
         with t.no_grad():  # local: verify runs inside other programs (tests) that train
             out = self.module(input_ids=t.from_numpy(ids), attention_mask=t.from_numpy(mask), **extra)
+        if self.manifest.task == "embed":  # the bare encoder's hidden states, pooled as sentence-transformers does
+            from longdoc.export.windows import pool_tokens
+
+            return {"embedding": pool_tokens(out.last_hidden_state.float().numpy(), mask,
+                                             self.manifest.embedding["pooling"])}
         return {name: getattr(out, name).float().numpy() for name in self.manifest.outputs}
 
     def _summary_globals(self, ids) -> dict:
@@ -307,6 +314,9 @@ def _answers(task: str, outputs: dict[str, np.ndarray], ids, mask, sep) -> list:
                 for b in range(len(ids))]
     if task == "classify":
         return [int(x) for x in outputs["logits"].argmax(-1)]
+    if task == "embed":  # the direction (cosine similarity is what users compare)
+        e = outputs["embedding"].astype(np.float64)
+        return list(e / np.maximum(np.linalg.norm(e, axis=-1, keepdims=True), 1e-12))
     return [outputs["logits"][b].argmax(-1)[mask[b].astype(bool)] for b in range(len(ids))]  # mlm
 
 
@@ -372,6 +382,13 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     kind, device_id = parse_device(device)
     onnx_model = OnnxModel(model_dir, device=kind, threads=threads, device_id=device_id)
     m = onnx_model.manifest
+    if m.task == "embed":  # a sentence-transformers folder: the checkpoint is its Transformer module
+        from longdoc.export.exporter import CheckpointError, sentence_embedding
+
+        try:
+            checkpoint_dir = sentence_embedding(checkpoint_dir).checkpoint_dir
+        except CheckpointError as exc:
+            raise VerifyError(str(exc)) from None
     if m.architecture.startswith("Longformer") and m.attention.get("pattern") == "dense":
         raise VerifyError(f"{model_dir} is a full-attention Longformer export (longdoc export --attention full), a "
                           "benchmark baseline: it computes what the checkpoint computes only when the window covers "
@@ -432,7 +449,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
             diffs, tols = {}, {}
             for name in m.outputs:
                 g, w = got[name], want[name]
-                if m.task == "classify":
+                if m.task in ("classify", "embed"):  # one row per sequence
                     sel = np.ones(w.shape, bool)
                 else:  # real positions only; QA question tokens sit near -1e6 in both (fp32 ulp ~0.06)
                     keep = mask.astype(bool)
@@ -449,6 +466,10 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
             elif m.task == "classify":
                 agree.setdefault("label identical", []).extend(a == b for a, b in zip(mine, theirs))
                 same = bool(_same_or_tie(got["logits"], want["logits"], tie).all())
+            elif m.task == "embed":
+                cosines = [float(a @ b) for a, b in zip(mine, theirs)]
+                agree.setdefault(f"cosine >= {EMBED_COSINE}", []).extend(c >= EMBED_COSINE for c in cosines)
+                same = min(cosines) >= EMBED_COSINE
             else:
                 flat = np.concatenate([a == b for a, b in zip(mine, theirs)])
                 agree.setdefault("argmax token identical", []).extend(flat.tolist())
@@ -488,6 +509,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     if m.dtype == "int8":
         need = {"best span identical": agreement.span, f"reference span in top {QA_TOP}": agreement.span_in_top,
                 "label identical": agreement.label, "argmax token identical": agreement.label,
+                f"cosine >= {EMBED_COSINE}": agreement.label,
                 f"reference's first {agreement.tokens_prefix} tokens in int8 top {GEN_TOP}": agreement.tokens}
         for what, votes in agree.items():
             share = sum(votes) / max(len(votes), 1)

@@ -22,8 +22,11 @@ from longdoc.model.layout import (AttentionSpec, checkpoint_attention_spec, long
                                  longformer_layer_specs, modernbert_layer_specs)
 from longdoc.model.tokenization import SUMMARIZE_INPUTS
 
-# every task a model can be trained, exported and served for (a record lists its own)
-TASKS = ("qa", "classify", "mlm", "summarize")
+# every task a model can be trained, exported and served for (a record lists its own); "embed":
+# one vector per text, the encoder's last hidden states pooled as sentence-transformers' Pooling does
+TASKS = ("qa", "classify", "mlm", "summarize", "embed")
+# a BERT's padding multiple (its config has no block size; longdoc.model.bert)
+BERT_BLOCK_SIZE = 8
 
 
 def _itself(config: dict) -> dict:
@@ -46,12 +49,23 @@ def _nested_encoder(config: dict) -> dict:
     return config["encoder"]
 
 
+def bert_blocks(config: dict) -> dict:
+    """A BERT config under BigBird's names: full attention, padded to BERT_BLOCK_SIZE (longdoc.model.bert)."""
+    return {"block_size": BERT_BLOCK_SIZE, **config, "attention_type": "original_full"}
+
+
 def block_sparse_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
     """BigBird: whole blocks of the position table; full attention up to (5 + 2r) blocks (its switch)."""
     max_length = (int(enc["max_position_embeddings"]) // block_size) * block_size
     sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
     return (block_size, max_length,
             (5 + 2 * int(enc.get("num_random_blocks", 3))) * block_size if sparse else max_length)
+
+
+def dense_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
+    """BERT: any length up to the position table (rounded down to the padding multiple), full attention."""
+    max_length = int(enc["max_position_embeddings"]) // block_size * block_size
+    return 1, max_length, max_length
 
 
 def roberta_window_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
@@ -224,7 +238,7 @@ register(Architecture(
              "BigBirdForPreTraining": "BigBirdForMaskedLM"},
     base_class="BigBirdModel",
     tasks={"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
-           "mlm": "BigBirdForMaskedLM"},
+           "mlm": "BigBirdForMaskedLM", "embed": "BigBirdModel"},
     other_architectures={"BigBirdForPreTraining": "mlm", "BigBirdModel": None},
     train_tasks=("mlm", "qa", "classify"), dropout=bert_dropout,
     ignored_keys={"BigBirdForPreTraining": (r"^cls\.seq_relationship\.",),
@@ -284,7 +298,16 @@ register(Architecture(
              "ModernBertForQuestionAnswering": "ModernBertForQuestionAnswering"},
     base_class="ModernBertModel",
     tasks={"qa": "ModernBertForQuestionAnswering", "classify": "ModernBertForSequenceClassification",
-           "mlm": "ModernBertForMaskedLM"},
+           "mlm": "ModernBertForMaskedLM", "embed": "ModernBertModel"},
     other_architectures={"ModernBertModel": None},
     layer_specs=modernbert_layer_specs, length_bounds=rotary_lengths,
+))
+
+# BERT (transformers' BertModel, e.g. sentence-transformers' all-MiniLM-L6-v2): BigBird's layers with
+# full attention (longdoc.model.bert); exported for embeddings
+register(Architecture(
+    model_type="bert", module="longdoc.model.bert", config_class="BertConfig",
+    classes={"BertModel": "BertModel"}, base_class="BertModel",
+    tasks={"embed": "BertModel"},
+    encoder_config=bert_blocks, length_bounds=dense_lengths,
 ))

@@ -17,7 +17,8 @@ workers. While a model has no worker up, its queued and new requests get 503 at 
 `Retry-After` of the next restart attempt, rather than waiting out their deadline.
 
 Admission (`QueueBudget`, service/batching.py) charges a request's whole token cost before
-accepting it; `Retry-After` on 429 is the time for the queue and the request to drain at the measured rate.
+accepting it; `Retry-After` on 429 is the time until a request like it would be admitted, at the
+queue's measured drain rate (`DrainRate.departed`: tokens leaving the queue while it has a backlog).
 """
 
 from __future__ import annotations
@@ -149,23 +150,23 @@ class SequenceResult:
 
 def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: int) -> None:
     """Raise 413 for a request that can never be admitted, 429 for one that cannot be admitted yet,
-    with Retry-After = the time for the queue and this request to drain at the measured rate: the
-    wait a request admitted now would have. (The time for only the excess to drain, tried first,
-    said 1 s under a 4x overload whose admitted requests waited 32 s: the freed room went to the
-    requests arriving meanwhile, and a client retrying after 1 s was refused again.)"""
+    with Retry-After = the time until a request like it would be admitted: until enough of the
+    queue has drained, at the measured rate, for its tokens to fit and its wait to be within
+    `max_wait_s`. (The time for the whole queue and the request to drain, used before, said 11-12 s
+    while the next request after a 429 was admitted 0.2-0.5 s later: clients that obeyed it lost
+    their turn to clients that retried at once.)"""
     if cost > budget.max_request_tokens:
         raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
-                       f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
-                       f"share kept for small requests)")
-    excess = budget.excess(queued, cost)
-    if excess:
+                       f"{budget.max_request_tokens} tokens: max_queue_tokens {budget.max_tokens} less the "
+                       f"share kept for small requests (small_request_share)", "max_queue_tokens")
+    excess, late = budget.excess(queued, cost), budget.late(queued, cost, rate.tokens_per_s)
+    if excess >= late and excess:
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
                          f"(limit {budget.max_tokens}, small requests {budget.reserve} of them)",
-                         rate.retry_after(queued + cost))
-    wait = rate.seconds(queued + cost)
-    if queued and wait > budget.max_wait_s:  # an empty queue always takes one request, however long
+                         rate.retry_after(excess))
+    if late:
         raise Overloaded(f"model {model} has {queued} tokens queued: this request would wait about "
-                         f"{wait:.1f} s (limit {budget.max_wait_s:g} s)", rate.retry_after(queued + cost))
+                         f"{rate.seconds(queued + cost):.1f} s (limit {budget.max_wait_s:g} s)", rate.retry_after(late))
 
 
 def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:
@@ -255,6 +256,7 @@ class EncoderBatcher:
             batch = self.policy.next_batch(now, budget=slot.worker.max_batch_tokens, force=self.draining)
             self._gauges()
             if batch is not None:
+                self.rate.departed(sum(e.length for e in batch.entries), now, still_queued=len(self.policy) > 0)
                 return batch
             wake = self.policy.next_wakeup()
             try:
@@ -298,7 +300,6 @@ class EncoderBatcher:
         self.metrics.batch_tokens.labels(self.model).observe(padded)
         self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
         self.metrics.input_tokens.labels(self.model, self.endpoint).inc(real)
-        self.rate.observe(real, finished - started)
         per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
         for i, s in enumerate(seqs):
             s.finished = finished
@@ -377,7 +378,6 @@ class DecodeScheduler:
         self.max_decode_batch = max_decode_batch
         self.budget = QueueBudget(max_queue_tokens, small_share, max_queue_wait_s)
         self.rate = DrainRate()  # tokens leaving `pending` per second, for Retry-After
-        self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.pending: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
         self._joining: list[DecodeJob] = []  # being encoded beside the steps (a worker that overlaps_encoding)
@@ -430,13 +430,8 @@ class DecodeScheduler:
         self.metrics.queue_tokens.labels(self.model).set(self._queued_tokens())
 
     def _left_queue(self, tokens: int) -> None:
-        """Jobs left `pending` for the decoding batch. The time between two departures measures
-        the drain rate only when jobs were waiting all along (a backlog drains at the decoder's
-        pace; a job that arrives at an idle queue leaves at once and says nothing)."""
-        now = time.monotonic()
-        if self._drain_mark is not None:
-            self.rate.observe(tokens, now - self._drain_mark)
-        self._drain_mark = now if self.pending else None
+        """Jobs left `pending` for the decoding batch."""
+        self.rate.departed(tokens, time.monotonic(), still_queued=bool(self.pending))
         self._gauges()
 
     def _finish(self, job: DecodeJob, item) -> None:
@@ -534,7 +529,7 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._left_queue(sum(len(j.input_ids) for j in joining))
-        if getattr(self.slot.worker, "overlaps_encoding", False):  # encode beside the running batch's steps
+        if self.slot.worker.overlaps_encoding:  # encode beside the running batch's steps
             self._joining = joining
             self._encoding = asyncio.create_task(self._encode(joining), name=f"encoder-{self.model}")
             self._encoding.add_done_callback(lambda _: self._wake.set())

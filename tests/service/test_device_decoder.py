@@ -548,7 +548,8 @@ def test_a_refused_capture_leaves_the_steps_uncaptured(summarizer, monkeypatch, 
     claim_cuda(ort, monkeypatch.setattr)
     worker = CudaWorker("sum", summarizer, "cuda", threads=1)
     worker.model.device = "cpu"  # as tests/fake_cuda.on_cpu, but capture left asked for
-    worker.encoder.device_type = worker.decoder.device_type = "cpu"
+    dec = worker.decoder
+    worker.encoder.device_type = dec.device_type = dec.encoder.device_type = dec.regroup.device_type = "cpu"
     assert worker.decoder.steps == "captured" and worker.decoder.fixed.cuda_graph
     ids = document_ids(worker.model, text_of(50, seed=3))
     want = [reference(worker.model, ids, max_new_tokens=6)]

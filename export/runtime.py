@@ -70,23 +70,31 @@ class DecoderGraph:
     ENCODER_MASK = "encoder_mask"
     LOGITS = "logits"
 
+    @staticmethod
+    def layer(kind: str, i: int) -> tuple[str, str]:
+        """Layer i's (key, value) tensor names of a kind: "past", "present" or "cross"."""
+        return f"{kind}_key_{i}", f"{kind}_value_{i}"
+
     @property
     def kv(self) -> list[str]:
         """key_0, value_0, key_1, ...: the order of `past`, `present` and `cross`."""
         return [f"{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
 
+    def _all(self, kind: str) -> list[str]:
+        return [name for i in range(self.num_layers) for name in self.layer(kind, i)]
+
     @property
     def past(self) -> list[str]:
-        return [f"past_{n}" for n in self.kv]
+        return self._all("past")
 
     @property
     def present(self) -> list[str]:
-        return [f"present_{n}" for n in self.kv]
+        return self._all("present")
 
     @property
     def cross(self) -> list[str]:
         """Also the encoder graph's outputs of a summarizer (its cross-attention keys/values)."""
-        return [f"cross_{n}" for n in self.kv]
+        return self._all("cross")
 
     @staticmethod
     def dimensions(batch: int, past: int, source: int) -> dict[str, int]:

@@ -1,9 +1,11 @@
 """Workers: the only things that run a model. The seam to the HTTP side is narrow (as in
 text-embeddings-inference's backend trait): `info`, `health()`, `max_batch_tokens`,
-`warmup()`, `run(batch)` for encoders, and `begin`/`step`/`release`/`generate` for summarization.
-A worker never sees a pydantic model or a request; the batcher calls it from one thread.
-`step` returns raw next-token logits: the scheduler chooses tokens with model/search.py, per
-sequence with its own `SearchSettings`. `generate(input_ids, settings, should_stop)` runs the
+`warmup()`, `run(batch)` for encoders, and `begin`/`step_greedy`/`release`/`generate` for
+summarization. A worker never sees a pydantic model or a request; the batcher calls it from one
+thread (and `begin` from a second one when `overlaps_encoding`). `step_greedy(states, tokens,
+constraints)` returns each sequence's greedy token under its `StepConstraints` (model/search.py
+`step_constraints`, per sequence with its own `SearchSettings`); `step` returns the raw
+next-token logits (tests, benchmarks). `generate(input_ids, settings, should_stop)` runs the
 whole search (beam search) and calls `should_stop()` (from the worker thread) before every
 decoder step, raising `GenerationStopped` when it returns true.
 

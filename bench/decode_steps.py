@@ -24,6 +24,19 @@ from pathlib import Path
 from common import command_line, cpu_name, log
 
 
+def markdown_table(result: dict) -> str:
+    """The page's table (docs/benchmarks.md, "Fixed-shape decoder steps") of a results file."""
+    batch = f"batch_{result['batch']}"
+    ways = list(result["step_ms"])
+    base = result["step_ms"][ways[0]]
+    lines = [f"| decoder steps | batch 1, ms a step | batch {result['batch']}, ms a step | against {ways[0]} |",
+             "|---|---:|---:|---:|"]
+    for w, ms in result["step_ms"].items():
+        lines.append(f"| {w} | {ms['batch_1']:.1f} | {ms[batch]:.1f} | "
+                     f"{ms['batch_1'] / base['batch_1']:.2f}x, {ms[batch] / base[batch]:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("/tmp/longdoc-decode-bench"),
@@ -77,16 +90,13 @@ def main() -> int:
                 log(f"round {r + 1}, batch {batch}: {w}")
                 rounds[w][f"batch_{batch}"].append(round_ms(worker, batch))
     step_ms = {w: {k: statistics.median(v) for k, v in by.items()} for w, by in rounds.items()}
-    base = step_ms[ways[0]]
     result = {"command": command_line("decode_steps.py"), "device": a.device, "cpu": cpu_name(),
               "model_dir": str(a.model_dir), "tokens": len(doc), "steps": a.steps, "batch": a.batch,
-              "step_ms": step_ms,
-              "ratio_to_" + ways[0]: {w: {k: v / base[k] for k, v in by.items()} for w, by in step_ms.items()},
-              "rounds": rounds}
-    print(f"| decoder steps | batch 1, ms a step | batch {a.batch}, ms a step |")
-    print("|---|---:|---:|")
-    for w in ways:
-        print(f"| {w} | {step_ms[w]['batch_1']:.2f} | {step_ms[w][f'batch_{a.batch}']:.2f} |")
+              "threads": a.threads, "step_ms": step_ms, "rounds": rounds,
+              # a captured way whose capture ONNX Runtime refused ran uncaptured (and logged why)
+              "captured_kept": {w: worker.decoder.fixed.cuda_graph for w, worker in workers.items()
+                                if w == "captured"}}
+    print(markdown_table(result))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -75,3 +75,14 @@ def test_every_benchmark_script_is_on_the_page():
     for script in sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench").glob("*.sh")):
         if script.name not in helpers:
             assert f"bench/{script.name}" in PAGE or f"`{script.name}`" in PAGE, script.name
+
+
+def test_the_decode_steps_table_is_its_results_file():
+    run = results("decode/steps.json")
+    table = load_bench("decode_steps").markdown_table(run)
+    assert table in PAGE and run["command"] in PAGE
+    from longdoc.service.workers import DEFAULT_DECODER_STEPS
+
+    fixed, dynamic = run["step_ms"]["fixed"], run["step_ms"]["dynamic"]
+    no_slower = all(fixed[k] <= dynamic[k] for k in dynamic)  # then it is the CPU's only path too
+    assert DEFAULT_DECODER_STEPS["cpu"] == ("fixed" if no_slower else "dynamic")

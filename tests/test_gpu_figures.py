@@ -26,3 +26,12 @@ def test_the_gpu_doc_states_the_measured_figures():
     assert f"{first['summarize']['clients32']['throughput_rps']:.1f}" in doc
     host = load("host_path_gpu.json")
     assert f"{max(p['docs_per_s'] for p in host['summary'] if p['mode'] == 'pool'):.1f}" in doc
+
+
+def test_the_next_lease_table_is_the_report_of_its_results_files():
+    """docs/gpu.md's goals table is `bench/gpu.py --report docs/gpu-runs/next-lease`: all "-" until the
+    lease's files are copied there, then the doc must show the figures they hold."""
+    from tests.bench_scripts import load_bench
+
+    report = load_bench("gpu").lease_report(ROOT / "docs" / "gpu-runs" / "next-lease")
+    assert report in (ROOT / "docs" / "gpu.md").read_text()

@@ -426,13 +426,22 @@ def phase_service(work: str, device: str, tiny: bool, clients: int, requests: in
     try:
         asyncio.run(load.sweep_point(url, "qa", docs, clients, clients * 2, 600))  # warm-up: every batch size
         point = asyncio.run(load.sweep_point(url, "qa", docs, clients, requests, 600))
-        same = asyncio.run(consistency(url, "qa", tok, c["length"] - 16, consistency_docs, clients))
+        same = guarded(lambda: asyncio.run(consistency(url, "qa", tok, c["length"] - 16, consistency_docs, clients)))
     finally:
         proc.terminate()
         proc.wait(60)
     log(f"  service, {clients} clients: {point['throughput_rps']:.1f} docs/s, p50 {point['p50_ms']:.0f} ms, "
         f"p99 {point['p99_ms']:.0f} ms ({point['ok']}/{point['requests']} ok)")
     return {**point, "consistency": same}
+
+
+def guarded(measure) -> dict:
+    """A measurement that may fail without losing the phase's others: its result, or {"error": ...}."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported in the results file, the phase goes on
+        log(f"  failed: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 async def consistency(url: str, task: str, tok, n_tokens: int, n_docs: int, clients: int) -> dict:
@@ -458,7 +467,8 @@ async def consistency(url: str, task: str, tok, n_tokens: int, n_docs: int, clie
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=clients + n_docs)) as client:
         async def post(doc: str):
-            return answer(await client.post(*load.request_for(task, doc)))
+            path, body = load.request_for(task, doc)
+            return answer(await client.post(path, json=body))
 
         alone = [await post(d) for d in docs]
         loaded = (await asyncio.gather(*(post(d) for d in docs), *(post(f) for f in fillers)))[:n_docs]
@@ -509,13 +519,21 @@ def phase_steps(work: str, device: str, tiny: bool) -> dict:
             del os.environ[name]
         start_token = worker.info.special_tokens["decoder_start"]
 
+        def step(states, tokens: list[int]) -> list[int]:
+            """The scheduler's greedy step: chosen on the device where the worker can (`step_greedy`,
+            no logits processors), else the logits' argmax on the host."""
+            if hasattr(worker, "step_greedy"):
+                from longdoc.model.search import StepConstraints
+
+                return [int(t) for t in worker.step_greedy(states, tokens, [StepConstraints()] * len(states))]
+            return [int(t) for t in np.asarray(worker.step(states, tokens)).argmax(-1)]
+
         def run(B: int, n: int) -> float:
             docs = [rng.integers(10, 400, S).tolist() for _ in range(B)]
             t = time.perf_counter()
             states, tokens = worker.begin(docs), [start_token] * B
             for _ in range(n):
-                out = np.asarray(worker.step(states, tokens))
-                tokens = [int(x) for x in (out.argmax(-1) if out.ndim == 2 else out)]  # logits or chosen ids
+                tokens = step(states, tokens)
             worker.release()
             return time.perf_counter() - t
 
@@ -608,15 +626,16 @@ def phase_summarize(work: str, device: str, tiny: bool, consistency_docs: int) -
             r = {"alone": asyncio.run(load.sweep_point(url, "summarize", docs, 1, 8, 600)),
                  "clients8": asyncio.run(load.sweep_point(url, "summarize", docs, 8, 64, 600)),
                  "clients32": asyncio.run(load.sweep_point(url, "summarize", docs, 32, 128, 600)),
-                 "consistency": asyncio.run(consistency(url, "summarize", tok, c["length"] - 1, consistency_docs, 32))}
+                 "consistency": guarded(lambda: asyncio.run(consistency(url, "summarize", tok, c["length"] - 1,
+                                                                        consistency_docs, 32)))}
         finally:
             proc.terminate()
             proc.wait(60)
         result[variant] = r
         log(f"  summarize ({variant}): 1 client {r['alone']['throughput_rps']:.2f} req/s "
             f"({r['alone']['p50_ms']:.0f} ms each), 8 clients {r['clients8']['throughput_rps']:.1f}, 32 clients "
-            f"{r['clients32']['throughput_rps']:.1f}; {r['consistency']['changed']} of "
-            f"{r['consistency']['documents']} summaries changed under load")
+            f"{r['clients32']['throughput_rps']:.1f}; summaries changed under load: "
+            f"{r['consistency'].get('changed', '-')} of {r['consistency'].get('documents', '-')}")
     return result
 
 
@@ -666,8 +685,8 @@ def table(r: dict) -> str:
         of = f" ({100 * s['throughput_rps'] / offline:.0f}% of the offline {offline:.1f})" if offline else ""
         lines.append(f"\nQA service, {s['concurrency']} clients: {s['throughput_rps']:.1f} docs/s{of}, p50 "
                      f"{s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, {s['ok']}/{s['requests']} ok; answers "
-                     f"changed under load: {same['changed']} of {same['documents']} (scores moved in "
-                     f"{same['scores_changed']}, by up to {same['max_score_change']:.2g})")
+                     f"changed under load: {same.get('changed', '-')} of {same.get('documents', '-')} (scores "
+                     f"moved in {same.get('scores_changed', '-')}, by up to {same.get('max_score_change', '-')})")
     if "steps" in r and "error" not in r["steps"]:
         st = r["steps"]
         lines += ["\nPegasus-large greedy decode step, ms per token (switch: "
@@ -683,7 +702,7 @@ def table(r: dict) -> str:
             if x:
                 lines.append(f"| {variant} | {x['alone']['throughput_rps']:.2f} ({x['alone']['p50_ms'] / 1000:.2f}) | "
                              f"{x['clients8']['throughput_rps']:.1f} | {x['clients32']['throughput_rps']:.1f} | "
-                             f"{x['consistency']['changed']} of {x['consistency']['documents']} |")
+                             f"{x['consistency'].get('changed', '-')} of {x['consistency'].get('documents', '-')} |")
     if "pegasus" in r and "error" not in r["pegasus"]:
         p = r["pegasus"]
         lines += [f"\nBigBird-Pegasus-large fp16, {c['length']} encoder tokens: ms per generated token",
@@ -823,7 +842,10 @@ def main() -> int:
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / f"{a.name}.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
+    try:
+        print(table(results))
+    except Exception as exc:  # noqa: BLE001 - the results file is written; the table is a view of it
+        log(f"no table: {type(exc).__name__}: {exc}")
     return 0
 
 

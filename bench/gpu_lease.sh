@@ -25,7 +25,7 @@ set -uo pipefail
 # $OUT: the results (main: the device tool's, else /tmp/gpu-out); $WORK: checkpoints and exports
 WORK=${WORK:-/tmp/gpu}
 ORT_VERSION=1.31.1
-ORT_WHEEL=onnxruntime_gpu-$ORT_VERSION-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+ORT_WHEEL=onnxruntime_gpu-$ORT_VERSION-cp312-cp312-manylinux_2_28_x86_64.whl  # what prepare downloads
 PART_MIB=${PART_MIB:-48}
 LIMIT_SCALE=1  # dry-run: the phases' time limits times 10 (a shared 2-core CPU, not a GPU)
 # the serve extra's packages the GPU machine's image lacks (pinned to what this project's venv

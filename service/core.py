@@ -25,7 +25,10 @@ from longdoc.service.validation import ErrorResponse, Limits
 from longdoc.service.workers import ModelInfo, Worker
 
 log = logging.getLogger("longdoc.service")
-TASKS = ("qa", "summarize", "classify")
+TASKS = ("qa", "summarize", "classify", "embed")
+# the metrics' endpoint label of each task route: the task, and OpenAI's /v1/embeddings beside TEI's /embed
+ENDPOINTS = {"/v1/qa": "qa", "/v1/summarize": "summarize", "/v1/classify": "classify", "/v1/embeddings": "embeddings",
+             "/embed": "embed"}
 WorkerFactory = Callable[[str, Path, str, Settings], Worker]
 
 

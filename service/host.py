@@ -2,7 +2,8 @@
 model's `ModelInfo` and a validated job, and the pool that runs them beside the event loop.
 
     event loop (one process): HTTP, body checks, validation, batchers, responses
-        -> HostPool.call(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / qa_spans
+        -> HostPool.call(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / prepare_embed
+                                           / qa_spans
 
 Per 4096-token QA document the tokenizer takes about 20 ms of CPU and answer shaping 2 ms,
 against well under a millisecond for the rest of the request (docs/service.md, "Host path"); in
@@ -145,6 +146,18 @@ def prepare_classify(info, job, stride: int | None, limit: int) -> list[tuple[li
         ids, _ = encode(info, doc, limit)
         windows = W.classify_windows(ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"]))
         out.append(([_array(w) for w in windows], len(ids)))
+    return out
+
+
+def prepare_embed(info, job, limit: int) -> list[tuple[list[np.ndarray], int]]:
+    """Per text: its windows (`export/windows.py` embed_windows; the first only when the job
+    truncates), (S,) int32 each, and the text tokens they hold (usage)."""
+    sp = info.special_tokens
+    out = []
+    for doc in job.common.documents:
+        ids, _ = encode(info, doc, limit)
+        windows = W.embed_windows(ids, info.max_length, int(sp["cls"]), int(sp["sep"]), job.truncate)
+        out.append(([_array(w) for w in windows], sum(len(w) - 2 for w in windows)))
     return out
 
 

@@ -5,6 +5,7 @@
                                      instead (SLOW_TOKENIZER_FILES; needs transformers, at export)
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
+    encode_within(tok, text, limit) -> a document's ids and offsets, tokenized only until `limit` is passed
     summarize_window, qa_room     -> the summarize input and the QA window's room for the document
     TokenOffsets(offsets)         -> the tokens a character span covers (answers' characters to tokens)
 
@@ -185,6 +186,88 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
     start = _config_id(config, "decoder_start_token_id")
     ids["decoder_start"] = start if start is not None else ids["pad"]
     return ids
+
+
+# ---- a document's tokens, counted as they come: an over-limit document costs about its first `limit`
+# Tokenizing is linear in the text, and a 2 MB document costs seconds: `encode_within` tokenizes
+# a long text in chunks cut at a space between two ASCII letters or digits ("word word"), and stops
+# once the limit is passed. For the tokenizer pieces `chunk_safe` accepts, no token spans such a
+# cut and each side tokenizes alone as it does within the whole (normalizers that map characters
+# one by one, pre-tokenizers that split at that space, added tokens that hold no space), so the
+# chunks' tokens, their offsets moved by the chunk's start, are the whole text's
+# (tests/model/test_encode_within.py checks this against one encode on the shipped tokenizers and
+# on byte-level BPE and SentencePiece ones). Other tokenizers get one encode, as a text without
+# such a space does for its part past the last one.
+_CUT = re.compile(r"(?<=[0-9A-Za-z]) (?=[0-9A-Za-z])")
+_CHUNK_SAFE_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "StripAccents",
+                           "Precompiled"}
+_CHUNK_SAFE_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
+
+
+def _chunk_safe_piece(piece: dict | None, safe: set[str]) -> bool:
+    if piece is None:
+        return True
+    kind = piece.get("type")
+    if kind == "Sequence":
+        return all(_chunk_safe_piece(p, safe) for p in piece.get("normalizers", piece.get("pretokenizers", [])))
+    if kind == "Replace":  # of a string with no space, or of runs of 2 or more spaces (SentencePiece's)
+        pattern, text = piece.get("pattern", {}), piece.get("pattern", {}).get("String")
+        return pattern.get("Regex") == " {2,}" or (text is not None and (" " not in text or text.strip(" ") == ""
+                                                                         and len(text) >= 2))
+    if kind == "Metaspace":  # split at each space; a chunk starting with one gets no second
+        return piece.get("split", True)
+    if kind == "ByteLevel":  # GPT-2's regex: " word" is a piece of its own
+        return piece.get("use_regex", True)
+    return kind in safe
+
+
+def chunk_safe(tokenizer) -> bool:
+    """Whether `encode_within` may tokenize the tokenizer's texts in chunks (see above)."""
+    import json
+
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return False
+    for component, safe in ((tokenizer.normalizer, _CHUNK_SAFE_NORMALIZERS),
+                            (tokenizer.pre_tokenizer, _CHUNK_SAFE_PRE_TOKENIZERS)):
+        if component is not None and not _chunk_safe_piece(json.loads(component.__getstate__()), safe):
+            return False
+    for token in tokenizer.get_added_tokens_decoder().values():
+        text = token.content
+        if any(c.isspace() for c in text) or (token.single_word or token.lstrip or token.rstrip) and \
+                (text[:1].isalnum() or text[-1:].isalnum()):
+            return False
+    return True
+
+
+def _cut(text: str, lo: int, hi: int) -> int:
+    """The last cut (a space between ASCII letters or digits) in [lo, hi), else the first after
+    hi, else the text's end."""
+    i = hi
+    while (i := text.rfind(" ", lo, i)) > lo:
+        if text[i - 1].isascii() and text[i - 1].isalnum() and text[i + 1].isascii() and text[i + 1].isalnum():
+            return i
+    m = _CUT.search(text, hi)
+    return m.start() if m else len(text)
+
+
+def encode_within(tokenizer, text: str, limit: int, chunk_chars: int | None = None):
+    """(ids, offsets, read) of `text` without special tokens: as `tokenizer.encode(text)` when it
+    has at most `limit` tokens (`read` is then len(text)); else the tokens of its chunks (see
+    above) up to the one where the limit was passed, which ends at character `read`. `chunk_chars`:
+    the chunks' size (default: 4 characters per token of the limit, at least 4096, at most 65536).
+    Through `encode_batch`, which releases the GIL while it runs (`encode` holds it)."""
+    chunk = chunk_chars or min(1 << 16, max(4096, 4 * limit))
+    if len(text) <= chunk or not chunk_safe(tokenizer):
+        (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
+        return enc.ids, enc.offsets, len(text)
+    ids, offsets, start = [], [], 0
+    while start < len(text) and len(ids) <= limit:
+        end = len(text) if len(text) - start <= chunk else _cut(text, start + chunk // 2, start + chunk)
+        (enc,) = tokenizer.encode_batch([text[start:end]], add_special_tokens=False)
+        ids += enc.ids
+        offsets += enc.offsets if start == 0 else [(a + start, b + start) for a, b in enc.offsets]
+        start = end
+    return ids, offsets, start
 
 
 # ---- a summarizer's encoder input

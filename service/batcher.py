@@ -158,8 +158,8 @@ def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: i
     new request waits for too (not charged to the token budget)."""
     if cost > budget.max_request_tokens:
         raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
-                       f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
-                       f"share kept for small requests)")
+                       f"{budget.max_request_tokens} tokens: max_queue_tokens {budget.max_tokens} less the "
+                       f"share kept for small requests (small_request_share)", "max_queue_tokens")
     excess, late = budget.excess(queued, cost), budget.late(queued + running, cost, rate.tokens_per_s)
     if excess >= late and excess:
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
@@ -538,7 +538,7 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._left_queue(sum(len(j.input_ids) for j in joining))
-        if getattr(self.slot.worker, "overlaps_encoding", False):  # encode beside the running batch's steps
+        if self.slot.worker.overlaps_encoding:  # encode beside the running batch's steps
             self._joining = joining
             self._encoding = asyncio.create_task(self._encode(joining), name=f"encoder-{self.model}")
             self._encoding.add_done_callback(lambda _: self._wake.set())

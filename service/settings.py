@@ -46,13 +46,8 @@ class Settings(BaseSettings):
         default_factory=lambda: ["cpu"], json_schema_extra={"flag": "device", "metavar": "cpu|cuda|cuda:N"},
         description="one worker per device for each encoder model (repeatable)")
     threads: int | None = Field(None, ge=1, description="intra-op threads per CPU worker; unset: ONNX Runtime's")
-    tokenizer_threads: int = Field(2, ge=1, description="threads tokenizing requests when host_processes is 0")
-    # service/host.py: tokenization, windows and answer shaping scale out with the cores this way
-    # (docs/service.md, "Host path"); the event loop, the batchers and the metrics stay in one process
-    host_processes: int | None = Field(
-        None, ge=0, description="processes that tokenize, window and shape answers beside the event loop; "
-                                "0: threads of the server process; unset: one per CPU core the server may use "
-                                "(its affinity, e.g. taskset, at most its cgroup CPU quota), 0 on one core")
+    tokenizer_threads: int = Field(2, ge=1, description="threads per server process that tokenize, window and "
+                                                        "shape answers beside its event loop")
 
     # dynamic batching (per model)
     batching: bool = Field(True, description="dynamic batching; off: every sequence runs alone (for comparison)")
@@ -197,16 +192,6 @@ class Settings(BaseSettings):
         if not devices:
             raise ValueError("at least one device")
         return devices
-
-    def host_process_count(self) -> int:
-        """`host_processes`, or unset: the usable cores, 0 (threads) on one core (a process to
-        hand work to would only add the copying)."""
-        if self.host_processes is not None:
-            return self.host_processes
-        from longdoc.service.host import usable_cores
-
-        cores = usable_cores()
-        return cores if cores > 1 else 0
 
     def batch_tokens_for(self, device: str) -> int:
         """The padded-token budget of a batch on a worker of this device: `max_batch_tokens` if

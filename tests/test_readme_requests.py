@@ -72,7 +72,7 @@ def test_the_readme_requests_give_the_answers_it_shows():
 
     requests = [(page, task, body, shown, man_page(page)) for page, task, body, shown in readme_requests()]
     settings = Settings(models={m: ROOT / "models" / m for m in ("qa", "summarize", "classify")},
-                        warmup=False, host_processes=0)
+                        warmup=False)
     with TestClient(create_app(settings)) as client:
         for page, task, body, shown, document in requests:
             r = client.post(f"/v1/{task}", json={**body, "document": document})

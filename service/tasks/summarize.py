@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from longdoc.model.tokenization import SummaryStream, summary_text
 from longdoc.service import host as H
 from longdoc.service.batcher import RequestState
-from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, ServedModel, Service, Timing, arrived
+from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, Service, Timing, arrived
+from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, ShuttingDown
 from longdoc.service.metrics import length_label
 from longdoc.service.validation import (

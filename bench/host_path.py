@@ -56,6 +56,8 @@ class NullWorker:
     The logits are a fixed random table, not zeros: answer shaping over flat logits is a
     degenerate case (every span ties, and numpy's partition takes 4x as long as on a model's)."""
 
+    overlaps_encoding = False
+
     def __init__(self, info, max_batch_tokens: int):
         self.info = info
         self.device = "cpu"

@@ -18,7 +18,7 @@ from longdoc.service.batching import BatchingPolicy
 from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
 from longdoc.testing.fake_worker import FakeWorker
-from tests.polling import until_async
+from tests.polling import until, until_async
 from tests.service.conftest import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,12 +207,12 @@ def test_a_stream_is_measured_to_its_last_event():
         def scrape():
             return httpx.get(server.url + "/metrics").text
 
+        def scraped_once_not_in_flight():
+            text = scrape()
+            return None if sample(text, "longdoc_in_flight_requests", endpoint="summarize") else text
+
         def in_flight_after_the_stream():  # the server finishes a response after its last byte
-            deadline = time.monotonic() + 10
-            while sample(text := scrape(), "longdoc_in_flight_requests", endpoint="summarize") and \
-                    time.monotonic() < deadline:
-                time.sleep(0.01)
-            return text
+            return until(scraped_once_not_in_flight, "the stream left the in-flight gauge", 10)
 
         with httpx.stream("POST", server.url + "/v1/summarize",
                           json={"document": "w1 w2 w3 w4", "stream": True}, timeout=30) as r:

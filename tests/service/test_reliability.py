@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.polling import until, until_async
 from tests.service.conftest import fake_factory, running_app, sse_events
 
 
@@ -19,14 +20,6 @@ def run(coro):
 
 def filler(n, start=0):
     return " ".join(f"w{(start + i) % 200}" for i in range(n))
-
-
-async def until(predicate, what: str, timeout_s: float = 10.0):
-    """Poll `predicate` until true, failing after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 # ---- admission and fairness (item 3)
@@ -69,6 +62,8 @@ def test_admission_bounds_the_wait_in_seconds():
     with pytest.raises(Overloaded, match="would wait about 11.0 s") as exc:
         admit("m", budget, rate, queued=9000, cost=2000)
     assert exc.value.headers["Retry-After"] == "1"  # 1000 tokens later it would wait 10 s
+    with pytest.raises(Overloaded, match="would wait about 11.0 s"):  # the batch under way is waited for too
+        admit("m", budget, rate, queued=8000, cost=2000, running=1000)
     with pytest.raises(Overloaded, match="would wait about 25.0 s") as exc:
         admit("m", budget, rate, queued=23_000, cost=2000)
     assert exc.value.headers["Retry-After"] == "15"
@@ -138,11 +133,11 @@ def test_small_requests_keep_a_share_of_the_queue_and_of_the_batches():
             engine = c.app.state.service.models["qa"].engine
             worker = factory.made[0]
             large = asyncio.ensure_future(c.post("/v1/qa", json={"question": "q", "document": filler(1200)}))
-            await until(lambda: worker.entered.is_set() and engine.policy.queued_tokens > 2000, "large queued")
+            await until_async(lambda: worker.entered.is_set() and engine.policy.queued_tokens > 2000, "large queued")
             queued = engine.policy.queued_tokens
             second_large = await c.post("/v1/qa", json={"question": "q", "document": filler(600)})
             small = asyncio.ensure_future(c.post("/v1/qa", json={"question": "q", "document": filler(100) + " gold"}))
-            await until(lambda: engine.policy.queued_tokens > queued, "small queued")
+            await until_async(lambda: engine.policy.queued_tokens > queued, "small queued")
             gate.set()
             first, _ = await asyncio.wait({large, small}, return_when=asyncio.FIRST_COMPLETED)
             assert small in first  # its windows ran between the large one's, not after them all
@@ -167,7 +162,7 @@ def test_summarize_retry_after_is_the_measured_wait():
             engine = c.app.state.service.models["sum"].engine
             waiting = [asyncio.ensure_future(c.post("/v1/summarize", json={"document": filler(19, start=i)}))
                        for i in range(6)]  # 20 tokens each: one decoding, five queued
-            await until(lambda: engine.rate.tokens_per_s > 0, "a measured drain rate")
+            await until_async(lambda: engine.rate.tokens_per_s > 0, "a measured drain rate")
             queued, rate = engine._queued_tokens(), engine.rate.tokens_per_s  # the next change is ~1 s away
             # 64 tokens, a large request (over the 25-token reserve): it needs queued + 64 <= 75
             late = await c.post("/v1/summarize", json={"document": filler(63)})
@@ -224,7 +219,7 @@ def test_restart_back_off_is_capped():
                                worker_restart_max_backoff_s=0.05) as c:
             assert (await c.post("/v1/qa", json={"question": "q", "document": "gold"})).status_code == 503
             # uncapped, 12 attempts take 0.01 * (2**12 - 1) = 41 s; capped at 0.05 s, under 1 s
-            await until(lambda: factory.restarts >= 12, "12 restart attempts", timeout_s=10)
+            await until_async(lambda: factory.restarts >= 12, "12 restart attempts", timeout_s=10)
             down = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
             return down
 
@@ -239,7 +234,7 @@ def test_shutdown_with_nothing_in_flight_does_not_wait_for_a_failing_restart():
         async with running_app(factory, warmup=False, worker_restart_backoff_s=0.05,
                                shutdown_grace_s=10) as c:
             assert (await c.post("/v1/qa", json={"question": "q", "document": "gold"})).status_code == 503
-            await until(lambda: factory.restarts >= 1, "a failed restart")
+            await until_async(lambda: factory.restarts >= 1, "a failed restart")
             t = time.monotonic()
         return time.monotonic() - t  # the lifespan's shutdown
 
@@ -325,11 +320,9 @@ def start_in_flight(url: str, ask, n_ask: int, summarize, n_summarize: int, summ
     threads += [threading.Thread(target=summarize, args=(i,)) for i in range(n_summarize)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while (metric(url, 'longdoc_in_flight_requests{endpoint="qa"}') < n_ask
-           or metric(url, 'longdoc_in_flight_requests{endpoint="summarize"}') < (summarizing or n_summarize)):
-        assert time.monotonic() < deadline, "requests did not get in flight"
-        time.sleep(0.02)  # polling the server's gauge with a deadline
+    until(lambda: (metric(url, 'longdoc_in_flight_requests{endpoint="qa"}') >= n_ask
+                   and metric(url, 'longdoc_in_flight_requests{endpoint="summarize"}') >= (summarizing or n_summarize)),
+          "the requests got in flight", 30)
     return threads
 
 
@@ -452,10 +445,7 @@ def test_a_client_gone_during_a_streamed_beam_search_stops_it(beam_server):
     with httpx.stream("POST", s.url + "/v1/summarize", timeout=5,
                       json={"document": filler(100), "stream": True, "num_beams": 2, "max_new_tokens": 60}) as r:
         assert next(r.iter_lines()) == ": keep-alive"  # then hang up while the beams are held
-    deadline = time.monotonic() + 10
-    while metric(s.url, key) < 1:  # a keep-alive write found the client gone
-        assert time.monotonic() < deadline, "the stream did not notice the client leaving"
-        time.sleep(0.02)
+    until(lambda: metric(s.url, key) >= 1, "a keep-alive write found the client gone", 10)
     s.gate.set()
     after = httpx.post(s.url + "/v1/summarize", json={"document": "w1"}, timeout=10)  # runs after the beam search
     assert after.status_code == 200
@@ -493,10 +483,7 @@ def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_
 
         threads = start_in_flight(s.url, ask, 8, summarize, 4)
         s.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 30
-        while "draining" not in log_path.read_text():  # the first press was handled
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.02)
+        until(lambda: "draining" in log_path.read_text(), "the first press was handled", 30)
         sent = time.monotonic()
         s.proc.send_signal(signal.SIGINT)
         for t in threads:

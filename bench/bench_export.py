@@ -26,7 +26,8 @@ With --interleave, every kind at a length is loaded at once (one process each) a
 alternate round-robin, so a slow spell of the shared machine hits every kind alike and the
 ratios hold; without it, each kind runs all its runs in turn.
 
-Writes docs/bench_export.md (table), docs/bench_export.json, docs/bench_export.png (log-log).
+Writes bench_export.md (the full table), bench_export.json and bench_export.png (log-log) into --out;
+docs/benchmarks.md's table is `markdown_table` of docs/bench_export.json.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from longdoc.export.manifest import INT8_ATTENTION  # NumPy-free, no onnx
 ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = ("ours-fp32", "ours-int8", "ours-int8-attn", "hf-torch", "hf-traced", "full-onnx")
-INT8_ATTENTION_DEFAULT = "per-row"  # the mode docs/bench_export.md measured as ours-int8-attn
+INT8_ATTENTION_DEFAULT = "per-row"  # the mode measured as ours-int8-attn (docs/notes/export-speed.md)
 E, L, H, I, BS, R = 768, 12, 12, 3072, 64, 3
 TRACED_LENGTH = 4096
 
@@ -432,6 +433,17 @@ def _percent_of_peak(rate: float, kind: str, peaks: dict[str, float] | None) -> 
     if not peaks:
         return "-"
     return f"{100 * rate / peaks['int8' if kind.startswith('ours-int8') else 'fp32']:.0f}%"
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The results as docs/benchmarks.md shows them (a test compares the two): median wall and CPU
+    seconds, peak RSS and activations (peak minus the RSS once loaded) per length and kind."""
+    lines = ["| tokens | kind | wall s | CPU s | peak RSS GiB | activations GiB |", "|---:|---|---:|---:|---:|---:|"]
+    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+        if "error" not in r:
+            lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['median_cpu']:.2f} | "
+                         f"{r['peak_gib']:.2f} | {r['act_gib']:.2f} |")
+    return "\n".join(lines)
 
 
 def write_report(results: list[dict], out_dir: Path, header: str, threads: int,

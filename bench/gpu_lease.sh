@@ -52,14 +52,10 @@ main)
     2> "$OUT/gpu.log"
   tail -40 "$OUT/gpu.log"
   if [ -n "${3:-}" ]; then
-    log "bench/host_path.py (the host path with a null engine, 1-15 server cores)"
+    log "bench/host_path.py (the host path with a null engine: one process, and --front-ends N on N of 1-15 server cores)"
     python3 bench/host_path.py --model-dir "$3" --cores 1,4,8,15 --client-cpus 15 --duration 6 --warmup 2 \
       --out "$OUT/host_path_gpu.json" --plot "$OUT/host_path_gpu.png" > "$OUT/host_path.log" 2>&1
     tail -12 "$OUT/host_path.log"
-    log "bench/host_path.py with 12 front ends and one engine (--front-ends, service/frontends.py), 15 server cores"
-    python3 bench/host_path.py --model-dir "$3" --cores 15 --client-cpus 15 --duration 6 --warmup 2 \
-      --mode pool= --mode 'fe12=--front-ends 12' --out "$OUT/host_path_front_ends_gpu.json" > "$OUT/host_path_fe.log" 2>&1
-    tail -6 "$OUT/host_path_fe.log"
   fi
   ;;
 *)

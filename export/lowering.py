@@ -39,7 +39,8 @@ from longdoc.export.manifest import EMBEDDING_POOLING
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
                                              declare_layout_inputs, dense_attention, for_layer, gather_tokens,
                                              longformer_context, merge_heads, split_heads)
-from longdoc.model.layout import longformer_block_size, longformer_layer_specs, modernbert_layer_specs
+from longdoc.model.layout import (checkpoint_attention_spec, longformer_block_size, longformer_layer_specs,
+                                  modernbert_layer_specs)
 from longdoc.model.registry import led_window_config
 
 class Weights:
@@ -108,6 +109,14 @@ def _bert_embeddings(g: GraphBuilder, w: Weights, config: dict, p: str, ids: str
     return g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
 
+def _bigbird_context(g: GraphBuilder, config: dict, mask: str, num_heads: int, head_dim: int, sparse: bool,
+                     int8_attention: str, sparse_gather: str) -> AttentionContext:
+    """BigBird's attention (BigBird, BigBird-Pegasus, the BERT2BERT encoder): its block size and, for
+    `sparse_gather` "window" (SPARSE_GATHER), the window the layout spec gives every row."""
+    return attention_context(g, mask, config["block_size"], num_heads, head_dim, sparse, int8=int8_attention,
+                             gather=sparse_gather, window_blocks=checkpoint_attention_spec(config).window_blocks)
+
+
 def pool_tokens(g: GraphBuilder, x: str, mask: str, pooling: str) -> str:
     """sentence-transformers' Pooling of the last hidden states x (B, S, E) over the real tokens of
     mask (B, S): "mean" (summed in fp32, divided by the real tokens' count) or "cls" (the first
@@ -129,13 +138,14 @@ def encoder_prefix(w: Weights, prefix: str, first_key: str) -> str:
 
 
 def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool,
-                   int8_attention: str = "off") -> str:
+                   int8_attention: str = "off", sparse_gather: str = "gather") -> str:
     """The BigBird encoder layers under prefix p (`{p}encoder.layer.N.`), block-sparse over the
     layout inputs or full: (B, S, E) -> (B, S, E). BigBirdFor* (p "bert.") and the BERT2BERT
-    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
+    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION;
+    sparse_gather: export/manifest.py's SPARSE_GATHER."""
     E, H = config["hidden_size"], config["num_attention_heads"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
+    ctx = _bigbird_context(g, config, mask, H, E // H, sparse, int8_attention, sparse_gather)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -147,11 +157,13 @@ def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, ma
 
 
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None, int8_attention: str = "off", pooling: str = "mean"):
+                          sep_token_id: int | None = None, int8_attention: str = "off", pooling: str = "mean",
+                          sparse_gather: str = "gather"):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
     start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V) | embedding (B, E).
     int8_attention: export/sparse_attention.py's INT8_ATTENTION; pooling: the embedding's
-    (`pool_tokens`). BERT (longdoc.model.bert) is this graph with full attention."""
+    (`pool_tokens`); sparse_gather: SPARSE_GATHER. BERT (longdoc.model.bert) is this graph with full
+    attention."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
     E = config["hidden_size"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
@@ -163,7 +175,7 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
 
     p = encoder_prefix(w, "bert.", "embeddings.word_embeddings.weight")
     x = _bert_embeddings(g, w, config, p, ids, types, _positions(g, ids))
-    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention)
+    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention, sparse_gather)
     g.scope = "head/"
 
     if task == "qa":
@@ -295,7 +307,8 @@ def _pegasus_dims(config: dict) -> dict:
             "act": config.get("activation_function", "gelu_new")}
 
 
-def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
+def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off",
+                          sparse_gather: str = "gather"):
     """input_ids, attention_mask (B, S) [+ layout inputs] -> last_hidden_state (B, S, E) and,
     per decoder layer l, cross_key_l / cross_value_l (B, H, S, D)."""
     dims = _pegasus_dims(config)
@@ -309,7 +322,7 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, in
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
+    ctx = _bigbird_context(g, config, mask, H, E // H, sparse, int8_attention, sparse_gather)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
@@ -519,7 +532,8 @@ def build_led_decoder(w: Weights, config: dict, dtype: str):
 
 # --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------
 
-def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
+def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off",
+                      sparse_gather: str = "gather"):
     """The `encoder-decoder` config's BigBird encoder: input_ids, attention_mask (B, S) [+ layout
     inputs] -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
     (B, H, S, D), as `build_pegasus_encoder` (token types are 0, transformers' default)."""
@@ -530,7 +544,7 @@ def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_a
     if sparse:
         declare_layout_inputs(g)
     x = _bert_embeddings(g, w, enc, "encoder.", ids, None, _positions(g, ids))
-    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention)
+    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention, sparse_gather)
     g.scope = "cross/"
     g.output(x, "last_hidden_state", None, ["batch", "sequence", enc["hidden_size"]])
     lp = "decoder.bert.encoder.layer.{}.crossattention.self."

@@ -27,6 +27,11 @@ INT8_ATTENTION = ("off", "dynamic", "dynamic-s8", "per-row", "static-p")
 # int8 exports: one scale per weight matrix, or one per output column (onnxruntime's
 # quantize_dynamic per_channel); "per-tensor" in manifests written before the choice existed
 INT8_WEIGHTS = ("per-tensor", "per-channel")
+# how the block-sparse attention gathers its key/value blocks (`longdoc export --sparse-gather`,
+# export/sparse_attention.py): one Gather per head group (the default), one for all heads at once,
+# a product with a one-hot table, or the window's blocks as slices of a shifted copy (then the
+# layout tables fed hold only the other blocks: export/layout_feed.py `without_window`)
+SPARSE_GATHER = ("gather", "all-heads", "onehot", "window")
 # the names of the encoder outputs per task (what OnnxModel.run_encoder returns)
 TASK_OUTPUTS = {
     "qa": ("start_logits", "end_logits"),
@@ -85,6 +90,8 @@ class Manifest:
     int8_attention: str = "off"
     # int8 exports: the dense layers' weight scales (INT8_WEIGHTS)
     int8_weights: str = "per-tensor"
+    # the block-sparse attention's key/value gathers (SPARSE_GATHER)
+    sparse_gather: str = "gather"
     # summarize: the encoder input's template (longdoc.model.tokenization.SUMMARIZE_INPUTS)
     summarize_input: str = "doc-eos"
     # one AttentionSpec dict per encoder layer when the layers' attention differs (a Longformer's
@@ -191,6 +198,8 @@ def validate(m: Manifest) -> list[str]:
         problems.append(f"int8_attention {m.int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
     elif m.int8_attention != "off" and m.dtype != "int8":
         problems.append(f"int8_attention {m.int8_attention!r} needs dtype 'int8', got {m.dtype!r}")
+    if m.sparse_gather not in SPARSE_GATHER:
+        problems.append(f"sparse_gather {m.sparse_gather!r} is not one of {', '.join(SPARSE_GATHER)}")
     if m.int8_weights not in INT8_WEIGHTS:
         problems.append(f"int8_weights {m.int8_weights!r} is not one of {', '.join(INT8_WEIGHTS)}")
     elif m.int8_weights != "per-tensor" and m.dtype != "int8":

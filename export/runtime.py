@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from longdoc.export.manifest import TOKENIZER_NAME, Manifest
-from longdoc.export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed
+from longdoc.export.layout_feed import LAYOUT_INPUTS, dense_layout_feed, layout_feed, without_window
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -145,6 +145,8 @@ class OnnxModel:
                 feed = layout_feed([build_layout(spec, nb, m.num_heads, layer)
                                     for layer, spec in enumerate(self.layer_specs)], nb,
                                    global_rows=LAYOUT_INPUTS[2] in self.encoder_inputs)
+            if m.sparse_gather == "window":  # the graph reads each row's window from slices
+                feed = without_window(feed, self.layer_specs[0].window_blocks)
             self._layouts[key] = feed
             if len(self._layouts) > self._layout_cache_size:
                 self._layouts.popitem(last=False)

@@ -37,7 +37,7 @@ def scan_json_tokens(body: bytes, limit: int, chunk: int = 1 << 18):
         n += 1
         if n > limit:
             raise TooLarge(f"request body has over {limit} JSON strings and separators; "
-                           f"this API's requests need far fewer")
+                           f"this API's requests need far fewer: a few per document", "max_documents")
         pos = m.end()
         if m.group() != b'"':
             continue
@@ -285,7 +285,7 @@ class ModelsResponse(BaseModel):
 
 
 # summarize with `stream: true`: one server-sent event (OpenAPI 3.1 reads the `schema` of
-# text/event-stream as one event). `data` is JSON: `token` {"id", "text"}, `done` a
+# text/event-stream as one event). `data` is JSON: `token` {"ids", "text"}, `done` a
 # SummarizeResponse, `error` an ErrorResponse.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": ["token", "done", "error"]},
@@ -357,7 +357,7 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
     except UnicodeEncodeError:
         raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
     if len(encoded) > max_bytes:
-        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes")
+        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes", "max_document_bytes")
     if not _NOT_BLANK.search(text):  # one regex search in C, not a Python loop over a 2 MB text
         raise InvalidRequest(f"{what} is empty or only whitespace or invisible characters")
     if _may_have_control(encoded) and (bad := _CONTROL.search(text)):
@@ -376,20 +376,23 @@ def _texts(docs: list[str], field: str, single: bool, model: str | None, timeout
     """The request's texts checked (`field` names them in errors: "document" when `single`, else
     "documents[3]"), and its deadline."""
     if len(docs) > limits.max_documents:
-        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request")
+        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request", "max_documents")
     for i, d in enumerate(docs):
         check_text(d, field if single else f"{field}[{i}]", limits.max_document_bytes)
     if timeout is None and header_timeout is not None:
+        accepted = (f"X-Request-Timeout {header_timeout!r}: give a number of seconds from {MIN_TIMEOUT_S:g} to "
+                    f"{limits.max_timeout_s:g} (the server's max_request_timeout_s)")
         try:
             timeout = float(header_timeout)
         except ValueError:
-            raise InvalidRequest(f"X-Request-Timeout {header_timeout!r} is not a number of seconds") from None
-        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:
-            raise InvalidRequest(f"X-Request-Timeout must be at least {MIN_TIMEOUT_S} seconds")
+            raise InvalidRequest(accepted) from None
+        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:  # inf and nan are no deadline
+            raise InvalidRequest(accepted)
     if timeout is None:
         timeout = limits.default_timeout_s
     if timeout > limits.max_timeout_s:
-        raise InvalidRequest(f"timeout {timeout} s exceeds the server's maximum of {limits.max_timeout_s} s")
+        raise InvalidRequest(f"timeout {timeout:g} s exceeds the server's maximum of {limits.max_timeout_s:g} s "
+                             f"(its max_request_timeout_s)")
     # the deadline counts from the request's arrival, as its client's clock does (not from here,
     # after the body was read and parsed)
     return Common(model, tuple(docs), (time.monotonic() if arrived is None else arrived) + timeout)

@@ -68,6 +68,7 @@ class Worker(Protocol):
     info: ModelInfo
     device: str
     max_batch_tokens: int
+    overlaps_encoding: bool  # summarize: `begin` may run on a second thread beside `step` (service/batcher.py)
 
     def health(self) -> bool: ...
     def warmup(self) -> None: ...
@@ -307,14 +308,6 @@ class DeviceDecoder:
         self.copied: Counter[str] = Counter()  # host -> device bytes: encoder_inputs, masks, step_inputs, past
         self.regroups = 0  # times the batch was reassembled (joins and leaves)
 
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
-    @device_type.setter
-    def device_type(self, value: str) -> None:  # tests/fake_cuda.on_cpu points every copy at the CPU
-        self._device_type = self.encoder.device_type = self.regroup.device_type = value
-
     def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
         """Encode a group of sequences; their cross keys/values stay on the device."""
         longest = max(len(x) for x in input_ids)
@@ -454,11 +447,6 @@ class DeviceDecoder:
 
 
 class CudaWorker(OnnxWorker):
-    # a summarizer's newcomers are encoded on a second thread while the running batch's decoder
-    # steps go on (service/batcher.py): on a GPU the two share the device well (small decoder
-    # kernels leave it mostly idle); on the CPU both would compete for the same cores
-    overlaps_encoding = True
-
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
     hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). A summarizer's decode
@@ -466,6 +454,12 @@ class CudaWorker(OnnxWorker):
     tested on CPU (tests/fake_cuda.py) and on a real GPU where there is one
     (tests/service/test_gpu.py; run on an H200: docs/gpu.md). `cuda:N` runs on GPU N (the CUDA
     provider's `device_id` option; `cuda` is GPU 0)."""
+
+    # a summarizer's newcomers are encoded on a second thread while the running batch's decoder
+    # steps go on (service/batcher.py): on a GPU the two share the device well (small decoder
+    # kernels leave it mostly idle); on the CPU both would compete for the same cores
+    overlaps_encoding = True
+
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
                  max_batch_tokens: int = 16384):

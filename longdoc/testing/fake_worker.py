@@ -41,6 +41,8 @@ class FakeWorker:
     document's first tokens, then eos. `delay_s` sleeps per run/step; `fail_runs` makes that many
     runs raise."""
 
+    overlaps_encoding = False
+
     def __init__(self, name: str = "fake", task: str = "qa", max_length: int = 64, block_size: int = 8,
                  delay_s: float = 0.0, fail_runs: int = 0, summary_tokens: int = 6, max_batch_tokens: int = 4096):
         self.device = "cpu"

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from longdoc.export import windows as W
 from longdoc.service import host as H
 from longdoc.service.batcher import RequestState
-from longdoc.service.core import ERROR_RESPONSES, ServedModel, Service, Timing, arrived
+from longdoc.service.core import ERROR_RESPONSES, Service, Timing, arrived
+from longdoc.service.engine import ServedModel
 from longdoc.service.errors import InvalidRequest
 from longdoc.service.validation import (EmbeddingsRequest, EmbeddingsResponse, EmbedJob, EmbedRequest,
                                         validate_embed, validate_embeddings)

@@ -122,7 +122,7 @@ def sse_tokens(body: str) -> tuple[list[int], dict]:
     events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
               for block in body.strip().split("\n\n")]
     assert events[-1][0] == "done", events[-1]
-    return [d["id"] for name, d in events if name == "token"], events[-1][1]["results"][0]
+    return [i for name, d in events if name == "token" for i in d["ids"]], events[-1][1]["results"][0]
 
 
 async def ask(directory, bodies: list[dict]) -> list[httpx.Response]:

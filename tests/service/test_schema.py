@@ -12,7 +12,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from longdoc.service.app import _ERRORS, create_app
+from longdoc.service.app import create_app
+from longdoc.service.core import ERROR_RESPONSES as _ERRORS
 from longdoc.service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 

@@ -20,7 +20,8 @@ from longdoc.model.config import read_json_object
 from longdoc.model.layout import AttentionSpec
 from longdoc.model.registry import model_types_for
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids
+from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
+                                        special_token_mismatches)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PLANS = ("hf-train", "hf-eval", "seeded")
@@ -43,8 +44,6 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(model_type, str) or model_type not in LOWERINGS:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(LOWERINGS)})")
-    if LOWERINGS[model_type].not_implemented:
-        raise CheckpointError(f"{path}: {LOWERINGS[model_type].not_implemented}")
     unlowered = sorted({name for name in activations_of(config) if name not in LOWERED_ACTIVATIONS})
     if unlowered:
         raise CheckpointError(f"{path}: activation {', '.join(map(repr, unlowered))} cannot be exported (the export "
@@ -74,8 +73,8 @@ def sentence_embedding(directory: Path):
 
 
 def exportable_model_types(task: str) -> list[str]:
-    """The model types whose checkpoints export for `task` (records whose lowering is written)."""
-    return [t for t in model_types_for(task) if not LOWERINGS[t].not_implemented]
+    """The model types whose checkpoints export for `task` (records with a lowering)."""
+    return [t for t in model_types_for(task) if t in LOWERINGS]
 
 
 def lowering_of(config: dict) -> Lowering:
@@ -263,6 +262,11 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     bs = encoder_block_size(config)
     wpath = weights_path(checkpoint_dir)
     tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
+    mismatches = special_token_mismatches(checkpoint_dir, tokenizer, config, record.config_token_ids.get(task, ()),
+                                          record.tasks[task])
+    if mismatches:
+        raise CheckpointError(f"{checkpoint_dir}: the config and the tokenizer disagree on special tokens: "
+                              + "; ".join(mismatches))
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"

@@ -49,8 +49,6 @@ class Lowering:
     full_attention: bool = False  # `--attention full`, a dense benchmark baseline
     # None: `--sparse-gather` (SPARSE_GATHER) chooses BigBird's block gathers; else why it does not apply
     no_sparse_gather: str | None = None
-    # None: the architecture exports; else why not (`read_config` refuses its checkpoints with it)
-    not_implemented: str | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -103,12 +101,6 @@ def build_pegasus(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building decoder graph ({config['decoder_layers']} layers, {r.dtype})")
     graphs["decoder"] = build_pegasus_decoder(w, config, r.dtype)
     return Graphs(graphs, _bart_decoder(config, "max_position_embeddings"))
-
-
-def build_refused(w: Weights, config: dict, r: BuildRequest) -> Graphs:
-    """The build step of an architecture whose export is not written yet (`Lowering.not_implemented`
-    stops it in `read_config` first)."""
-    raise NotImplementedError(LOWERINGS[config["model_type"]].not_implemented)
 
 
 def build_led(w: Weights, config: dict, r: BuildRequest) -> Graphs:

@@ -37,7 +37,7 @@ class ModelInfo:
     """What the router may know about a model (from its manifest)."""
 
     name: str
-    task: str  # "qa" | "classify" | "summarize"
+    task: str  # "qa" | "classify" | "summarize" | "embed"
     max_length: int  # encoder tokens, specials included
     block_size: int
     tokenizer: Tokenizer
@@ -52,6 +52,9 @@ class ModelInfo:
     # what a request's settings are resolved against (longdoc.model.search.resolve_settings)
     generation: dict[str, Any] = field(default_factory=dict)
     summarize_input: str = "doc-eos"  # summarize: the encoder input's template (manifest.SUMMARIZE_INPUTS)
+    # embed: {"pooling", "normalize"} (manifest.embedding; the graph pools, the service normalizes)
+    embedding: dict[str, Any] | None = None
+    hidden_size: int = 0  # embed: the vectors' dimensions
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Worker(Protocol):
     info: ModelInfo
     device: str
     max_batch_tokens: int
+    overlaps_encoding: bool  # summarize: `begin` may run on a second thread beside `step` (service/batcher.py)
 
     def health(self) -> bool: ...
     def warmup(self) -> None: ...
@@ -102,6 +106,8 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
         directory=str(directory),
         generation=search_defaults(m) if m.task == "summarize" else {},
         summarize_input=m.summarize_input,
+        embedding=dict(m.embedding) if m.embedding else None,
+        hidden_size=m.hidden_size,
     )
 
 
@@ -302,14 +308,6 @@ class DeviceDecoder:
         self.copied: Counter[str] = Counter()  # host -> device bytes: encoder_inputs, masks, step_inputs, past
         self.regroups = 0  # times the batch was reassembled (joins and leaves)
 
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
-    @device_type.setter
-    def device_type(self, value: str) -> None:  # tests/fake_cuda.on_cpu points every copy at the CPU
-        self._device_type = self.encoder.device_type = self.regroup.device_type = value
-
     def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
         """Encode a group of sequences; their cross keys/values stay on the device."""
         longest = max(len(x) for x in input_ids)
@@ -449,11 +447,6 @@ class DeviceDecoder:
 
 
 class CudaWorker(OnnxWorker):
-    # a summarizer's newcomers are encoded on a second thread while the running batch's decoder
-    # steps go on (service/batcher.py): on a GPU the two share the device well (small decoder
-    # kernels leave it mostly idle); on the CPU both would compete for the same cores
-    overlaps_encoding = True
-
     """One GPU: ONNX Runtime's CUDA execution provider (OnnxModel(device="cuda")), encoder runs
     through I/O binding (layout tables kept on the GPU per length). The model directory should
     hold an fp16 export (`longdoc export --dtype fp16`; a warning otherwise). A summarizer's decode
@@ -461,6 +454,12 @@ class CudaWorker(OnnxWorker):
     tested on CPU (tests/fake_cuda.py) and on a real GPU where there is one
     (tests/service/test_gpu.py; run on an H200: docs/gpu.md). `cuda:N` runs on GPU N (the CUDA
     provider's `device_id` option; `cuda` is GPU 0)."""
+
+    # a summarizer's newcomers are encoded on a second thread while the running batch's decoder
+    # steps go on (service/batcher.py): on a GPU the two share the device well (small decoder
+    # kernels leave it mostly idle); on the CPU both would compete for the same cores
+    overlaps_encoding = True
+
 
     def __init__(self, name: str, directory: Path, device: str = "cuda:0", threads: int | None = None,
                  max_batch_tokens: int = 16384):

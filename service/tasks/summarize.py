@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse
 from longdoc.model.tokenization import SummaryStream, summary_text
 from longdoc.service import host as H
 from longdoc.service.batcher import RequestState
-from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, ServedModel, Service, Timing, arrived
+from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, Service, Timing, arrived
+from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, ShuttingDown
+from longdoc.service.metrics import length_label
 from longdoc.service.validation import (
     SSE_EVENT_SCHEMA, SummarizeRequest, SummarizeResponse, summarize_search, validate_summarize,
 )
@@ -56,7 +58,7 @@ async def summarize(body: SummarizeRequest, request: Request):
             timing.queue = time.monotonic() - t
             ids, n, truncated = prepared[0]
             return MeasuredStream(
-                _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
+                _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model, timing.start),
                 media_type="text/event-stream", headers={"cache-control": "no-store"},
             ), model, n_tokens
         generated = await asyncio.gather(*(_collect(s) for s in streams))
@@ -73,7 +75,8 @@ async def _collect(stream) -> list[int]:
     return [t async for t in stream]
 
 
-async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel):
+async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel,
+               started: float):
     """Server-sent events: `token` per piece of text with its tokens' ids (`head` were already
     taken from `it`; a token whose text the decoding holds back, a "-" that may become a hyphen,
     rides with the next piece, and a dangling one at the end, dropped from the summary, with none), then `done`;
@@ -105,6 +108,10 @@ async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, mo
             ids.append(item)
             held.append(item)
             if piece := text.add(item):  # a token whose text is held back rides with the next piece
+                if len(held) == len(ids):  # the first token event: the client's time to first token
+                    service.metrics.time_to_first_token_seconds.labels(
+                        model.info.name, length_label(usage["tokens"], model.length_bounds)).observe(
+                        time.monotonic() - started)
                 yield f"event: token\ndata: {json.dumps({'ids': held, 'text': piece})}\n\n"
                 held = []
         result = {"summary": summary_text(tokenizer, ids), "generated_tokens": len(ids), "usage": usage}

@@ -267,16 +267,17 @@ def test_deadline_gives_504_and_skips_queued_windows():
     assert 1 <= len(qa.batches) < 8  # 400 tokens = 14 windows; the rest were dropped
 
 
+async def ready(client) -> bool:
+    return (await client.get("/readyz")).status_code == 200
+
+
 def test_worker_failure_gives_503_then_recovers():
     factory = fake_factory(qa={"fail_runs": 1})
 
     async def go():
         async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
             bad = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
-            for _ in range(100):
-                if (await c.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: ready(c), "the restarted worker made the server ready", 10)
             good = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
             metrics = (await c.get("/metrics")).text
             return bad, good, metrics
@@ -422,10 +423,7 @@ def test_decoder_failure_gives_503_then_recovers():
     async def go():
         async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
             bad = await c.post("/v1/summarize", json={"document": "w1 w2"})
-            for _ in range(100):
-                if (await c.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: ready(c), "the restarted decoder made the server ready", 10)
             good = await c.post("/v1/summarize", json={"document": "w1 w2"})
             return bad, good
 

@@ -187,8 +187,10 @@ def test_a_real_tokenizer_lets_the_deadline_and_other_requests_run(monkeypatch):
     doc = ("The quick brown fox jumps over the lazy dog. " * 44_000)[:1_999_000]
 
     async def go():
+        # a token limit over the document's ~440k tokens: all of it is tokenized (an over-limit
+        # document stops at the limit, tests/service/test_host.py)
         async with running_app(factory=onnx_worker_factory, models={"classify": SHIPPED / "classify"},
-                               warmup=False) as c:
+                               warmup=False, max_document_tokens=1_000_000) as c:
             async def poll_livez():
                 while not during:
                     assert (await c.get("/livez")).status_code == 200

@@ -370,6 +370,19 @@ def check_checkpoint(manifest, checkpoint_dir: Path, allow_other_checkpoint: boo
                               "pass --allow-other-checkpoint to compare anyway")
 
 
+def special_token_mismatches_of(manifest, checkpoint_dir: Path, tokenizer) -> list[str]:
+    """`longdoc.model.tokenization.special_token_mismatches` of the checkpoint's config against
+    its tokenizer files (the export's tokenizer.json for the vocabulary), for the ids its
+    architecture reads (the registry record's `config_token_ids`)."""
+    from longdoc.export.exporter import lowering_of, read_config
+    from longdoc.model.tokenization import special_token_mismatches
+
+    config = read_config(checkpoint_dir)
+    record = lowering_of(config).model
+    return special_token_mismatches(checkpoint_dir, tokenizer, config,
+                                    record.config_token_ids.get(manifest.task, ()), manifest.architecture)
+
+
 def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: list[int] | None = None,
                  progress: Callable[[str], None] = print, seed: int = 0, threads: int | None = None,
                  generation_lengths: int = 2, max_new_tokens: int = 8, agreement: Agreement = Agreement(),
@@ -404,6 +417,10 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
         shown = "-" if diff is None else f"{diff:.2e}"
         progress(f"[{graph}] {what} length {S} batch {B}: max|diff| {shown} {'ok' if ok else 'MISMATCH'} {note}")
 
+    # whatever the dtype: a config whose special-token ids are not its tokenizer's computes another
+    # model than the export (an int8 export's looser criteria can pass where fp32 fails on it)
+    if mismatches := special_token_mismatches_of(m, checkpoint_dir, onnx_model.tokenizer):
+        record("config", "special-token ids", 0, 0, None, False, "; ".join(mismatches))
     if m.dtype == "int8":
         record("encoder", "int8 attention products", 0, 0, None, *_int8_attention_matches(model_dir, m))
     for S in lengths:

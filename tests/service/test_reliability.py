@@ -62,6 +62,8 @@ def test_admission_bounds_the_wait_in_seconds():
     with pytest.raises(Overloaded, match="would wait about 11.0 s") as exc:
         admit("m", budget, rate, queued=9000, cost=2000)
     assert exc.value.headers["Retry-After"] == "1"  # 1000 tokens later it would wait 10 s
+    with pytest.raises(Overloaded, match="would wait about 11.0 s"):  # the batch under way is waited for too
+        admit("m", budget, rate, queued=8000, cost=2000, running=1000)
     with pytest.raises(Overloaded, match="would wait about 25.0 s") as exc:
         admit("m", budget, rate, queued=23_000, cost=2000)
     assert exc.value.headers["Retry-After"] == "15"

@@ -5,6 +5,7 @@
                                      instead (SLOW_TOKENIZER_FILES; needs transformers, at export)
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
+    special_token_mismatches      -> where the config's ids of the tokens a model reads are not its tokenizer's
     encode_within(tok, text, limit) -> a document's ids and offsets, tokenized only until `limit` is passed
     summarize_window, qa_room     -> the summarize input and the QA window's room for the document
     TokenOffsets(offsets)         -> the tokens a character span covers (answers' characters to tokens)
@@ -156,14 +157,27 @@ def _config_id(config: dict, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def named_token_ids(directory, tokenizer) -> dict[str, tuple[str, int]]:
+    """The special tokens the tokenizer files name (special_tokens_map.json over
+    tokenizer_config.json) and its vocabulary holds: {"sep": ("[SEP]", 4), ...}."""
+    d = Path(directory)
+    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")}
+    named = {}
+    for name in SPECIAL_TOKENS:
+        text = _token_text(texts.get(f"{name}_token"))
+        token_id = tokenizer.token_to_id(text) if text is not None else None
+        if token_id is not None:
+            named[name] = (text, token_id)
+    return named
+
+
 def special_token_ids(directory=None, tokenizer=None, config: dict | None = None) -> dict[str, int | None]:
     """The one table of special-token ids: pad, cls, sep, mask, bos, eos, decoder_start (None =
     not defined). Resolved in this order: the token texts the tokenizer files name
-    (special_tokens_map.json over tokenizer_config.json, looked up in the vocabulary), the
-    config's `*_token_id` (`config`, else the directory's config.json), then the vocabulary's
-    conventional texts (`VOCABULARY_GUESSES`: BERT configs name no [CLS]). `decoder_start` comes
-    from the config, else pad (Pegasus starts decoding with pad). The exporter writes this table
-    into the manifest; nothing downstream patches it."""
+    (`named_token_ids`), the config's `*_token_id` (`config`, else the directory's config.json),
+    then the vocabulary's conventional texts (`VOCABULARY_GUESSES`: BERT configs name no [CLS]).
+    `decoder_start` comes from the config, else pad (Pegasus starts decoding with pad). The
+    exporter writes this table into the manifest; nothing downstream patches it."""
     d = Path(directory) if directory is not None else None
     if tokenizer is None:
         if d is None:
@@ -171,13 +185,10 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
         tokenizer = load_tokenizer(d)
     if config is None:
         config = _read_json(d / "config.json") if d is not None else {}
-    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")} if d else {}
+    named = named_token_ids(d, tokenizer) if d is not None else {}
     ids: dict[str, int | None] = {}
     for name in SPECIAL_TOKENS:
-        text = _token_text(texts.get(f"{name}_token"))
-        token_id = tokenizer.token_to_id(text) if text is not None else None
-        if token_id is None:
-            token_id = _config_id(config, f"{name}_token_id")
+        token_id = named[name][1] if name in named else _config_id(config, f"{name}_token_id")
         for guess in VOCABULARY_GUESSES.get(name, ()) if token_id is None else ():
             token_id = tokenizer.token_to_id(guess)
             if token_id is not None:
@@ -186,6 +197,26 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
     start = _config_id(config, "decoder_start_token_id")
     ids["decoder_start"] = start if start is not None else ids["pad"]
     return ids
+
+
+def special_token_mismatches(directory, tokenizer, config: dict, reads: tuple[str, ...], family: str) -> list[str]:
+    """Where the config's `*_token_id` of a special token the model reads (`reads`, its registry
+    record's `config_token_ids`: BigBird QA finds the question's end by sep_token_id, a summarizer
+    stops at eos_token_id) is not the id the tokenizer files name for it: the checkpoint (and
+    transformers) would look for one id where the tokenizer writes another, while the export reads
+    the tokenizer's. Each mismatch as a sentence with both ids and the fix; [] when they agree."""
+    named = named_token_ids(directory, tokenizer)
+    out = []
+    for name in reads:
+        configured = _config_id(config, f"{name}_token_id")
+        if name in named and configured is not None and configured != named[name][1]:
+            text, token_id = named[name]
+            out.append(f"config.json's {name}_token_id is {configured}, but the tokenizer's {name} token {text!r} "
+                       f"is {token_id}: {family} reads {name}_token_id from the config (and transformers does), "
+                       f"the export reads the tokenizer's. If the model was trained with this tokenizer, set "
+                       f"\"{name}_token_id\": {token_id} in {Path(directory) / 'config.json'}; if not, give the "
+                       f"checkpoint the tokenizer it was trained with")
+    return out
 
 
 # ---- a document's tokens, counted as they come: an over-limit document costs about its first `limit`

@@ -43,6 +43,6 @@ def test_the_sparse_gather_cpu_tables_are_their_results_files():
 
     table = load_bench("bench_export").markdown_table
     doc = (ROOT / "docs" / "gpu.md").read_text()
-    for dtype in ("fp32",):
+    for dtype in ("fp32", "int8"):
         run = json.loads((ROOT / "docs" / "results" / f"sparse-gather-{dtype}" / "bench_export.json").read_text())
         assert table(run["results"]) in doc, dtype

@@ -20,7 +20,8 @@ from longdoc.model.config import read_json_object
 from longdoc.model.layout import AttentionSpec
 from longdoc.model.registry import model_types_for
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids
+from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
+                                        special_token_mismatches)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PLANS = ("hf-train", "hf-eval", "seeded")
@@ -261,6 +262,11 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
     bs = encoder_block_size(config)
     wpath = weights_path(checkpoint_dir)
     tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
+    mismatches = special_token_mismatches(checkpoint_dir, tokenizer, config, record.config_token_ids.get(task, ()),
+                                          record.tasks[task])
+    if mismatches:
+        raise CheckpointError(f"{checkpoint_dir}: the config and the tokenizer disagree on special tokens: "
+                              + "; ".join(mismatches))
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"

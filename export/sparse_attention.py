@@ -19,6 +19,11 @@ For a padded length S = nb * block_size (paper App. D, Fig. 6):
 Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
 table: K = nb, every row lists every key block, which is exact full attention.
 
+How the sparse rows' blocks are gathered is an export choice (`longdoc export --sparse-gather`,
+SPARSE_GATHER; `_block_tensors`): one Gather per head group (the default) or for all heads, a
+product with a one-hot table, or the window's blocks as slices of a shifted copy with only the
+table's other blocks gathered (the runtime then feeds the table without the window). All exact.
+
 Longformer (Beltagy et al. 2020, Sec. 3.1; the PyTorch side is longdoc.model.attention) adds two
 things to the same sparse rows, and takes no `global_blocks` / `block_source` inputs:
 

@@ -146,10 +146,11 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 
 def pool_window_embeddings(window_vectors: list[np.ndarray], normalize: bool) -> np.ndarray:
-    """A document's vector from its windows' vectors: the mean of the windows' unit vectors, every
-    window weighing the same (the last, shorter one too), then unit length when the model
-    normalizes. Chosen by measurement (bench/embed_retrieval.py, docs/models.md "The embedding
-    model"): finding a page from a sentence deep inside it, this mean beats both the mean of the
-    raw window vectors and the first window alone. (E,) float32."""
-    mean = unit(np.stack(window_vectors)).mean(axis=0)
+    """A text's vector from its windows' vectors: their mean, every window weighing the same (the
+    last, shorter one too), then unit length when the model normalizes; one window's text gets its
+    window's vector, what sentence-transformers gives it. Chosen by measurement (data/embed_retrieval.py,
+    docs/models.md "The embedding model"): finding a manual page from a sentence deep inside it, this
+    mean ties the mean of the windows' unit vectors and beats weighing windows by their tokens, the
+    elementwise max and the first window alone. (E,) float32."""
+    mean = np.mean(np.stack([np.asarray(v, np.float32) for v in window_vectors]), axis=0)
     return unit(mean) if normalize else mean

@@ -127,6 +127,10 @@ class Architecture:
     length_bounds: Callable[[dict, dict, int, str], tuple[int, int, int]] = block_sparse_lengths
     global_tokens: Mapping[str, str] = field(default_factory=dict)  # task -> the manifest's (default "none")
     summarize_input: str = "doc-eos"  # longdoc.model.tokenization.SUMMARIZE_INPUTS
+    # task -> the special tokens whose id the model reads from the config (`*_token_id`) where the
+    # export reads its tokenizer's: export refuses, and verify fails, a config that disagrees with
+    # the tokenizer files on one (longdoc.model.tokenization.special_token_mismatches)
+    config_token_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     train_tasks: tuple[str, ...] = ()  # what `longdoc train` trains it for
     dropout: Callable[[dict, float], dict] | None = None  # config with every dropout probability set to p
     # checkpoint keys the model does not use, tolerated: architecture -> regexes
@@ -241,6 +245,7 @@ register(Architecture(
            "mlm": "BigBirdForMaskedLM", "embed": "BigBirdModel"},
     other_architectures={"BigBirdForPreTraining": "mlm", "BigBirdModel": None},
     train_tasks=("mlm", "qa", "classify"), dropout=bert_dropout,
+    config_token_ids={"qa": ("sep",)},  # the question ends at the first sep_token_id: its global tokens
     ignored_keys={"BigBirdForPreTraining": (r"^cls\.seq_relationship\.",),
                   "BigBirdForQuestionAnswering": (r"^bert\.pooler\.",)},  # QA has no pooler; some files carry one
 ))
@@ -255,6 +260,8 @@ register(Architecture(
     windowed=True, length_bounds=roberta_window_lengths,
     # the question for QA (transformers' LongformerForQuestionAnswering default), the first token for classification
     global_tokens={"qa": "question", "classify": "first"},
+    # the question (global) ends at sep_token_id; positions count the tokens that are not pad_token_id
+    config_token_ids={"qa": ("sep", "pad"), "classify": ("pad",)},
     # transformers' Longformer heads have no pooler (add_pooling_layer=False); a file may carry one
     ignored_keys={arch: (r"^longformer\.pooler\.",) for arch in (
         "LongformerForQuestionAnswering", "LongformerForSequenceClassification", "LongformerForMaskedLM")},
@@ -266,6 +273,7 @@ register(Architecture(
     base_class="BigBirdPegasusForConditionalGeneration",
     tasks={"summarize": "BigBirdPegasusForConditionalGeneration"},
     encoder_config=_bert_names, train_tasks=("summarize",), dropout=bart_dropout,
+    config_token_ids={"summarize": ("eos",)},  # generation ends at eos_token_id
 ))
 
 register(Architecture(
@@ -277,6 +285,7 @@ register(Architecture(
     # the first token global (allenai's recipe; longdoc.model.led.first_token_global), and that
     # token is bos: its tokenizer reads `<s> document </s>`
     global_tokens={"summarize": "first"}, summarize_input="bos-doc-eos",
+    config_token_ids={"summarize": ("eos",)},
 ))
 
 # transformers' EncoderDecoderModel with a big_bird encoder and a bert decoder (BERT2BERT)
@@ -286,6 +295,7 @@ register(Architecture(
     tasks={"summarize": "EncoderDecoderModel"},
     encoder_config=_nested_encoder, summarize_input="cls-doc-eos",
     train_tasks=("summarize",), dropout=encoder_decoder_dropout,
+    config_token_ids={"summarize": ("eos",)},
 ))
 
 # ModernBERT: alternating sliding-window (band) and full attention layers, one spec per layer

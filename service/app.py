@@ -8,7 +8,7 @@ with one batcher task per model; a front end's are the engine process's) and the
 of it down after. The routes never touch a worker.
 
 The app is assembled here: middlewares (body limits, access), the OpenAPI patch, the exception
-handlers, and the routers: one module per task (service/tasks/qa.py, classify.py, summarize.py:
+handlers, and the routers: one module per task (service/tasks/qa.py, classify.py, summarize.py, embed.py:
 its route, pre- and post-processing) and the operations routes (service/operations.py). What they
 share, the `Service` and its per-request wrapper `Service.serve`, is in service/core.py.
 """
@@ -30,16 +30,20 @@ from longdoc import __version__
 from longdoc.service import operations
 from longdoc.service.access import AccessControl, AccessMiddleware
 from longdoc.service.core import Service, error_response, log
-from longdoc.service.engine import TASKS, LocalModels, ModelSource, WorkerFactory
+from longdoc.service.engine import LocalModels, ModelSource, WorkerFactory
 from longdoc.service.errors import (
     InvalidRequest, RequestTimeout, ServiceError, TooLarge, Unavailable, UnsupportedMediaType,
 )
 from longdoc.service.settings import Settings
-from longdoc.service.tasks import classify, qa, summarize
+from longdoc.service.tasks import classify, embed, qa, summarize
 from longdoc.service.validation import scan_json_tokens
 from longdoc.service.workers import onnx_worker_factory
 
-_JSON_POSTS = ("/v1/qa", "/v1/summarize", "/v1/classify")  # the routes BodyLimitMiddleware guards
+# the task routes (BodyLimitMiddleware guards them) and their metrics' endpoint label: the task, and
+# OpenAI's /v1/embeddings beside TEI's /embed
+ENDPOINTS = {"/v1/qa": "qa", "/v1/summarize": "summarize", "/v1/classify": "classify", "/v1/embeddings": "embeddings",
+             "/embed": "embed"}
+_JSON_POSTS = tuple(ENDPOINTS)
 
 
 def _body_parse_error(cause: BaseException | None) -> InvalidRequest:
@@ -161,7 +165,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     # /docs and /redoc load their scripts from this package, not a CDN: a machine without internet
     # access (many clusters) shows them too
     app = FastAPIOffline(title="longdoc", version=__version__, lifespan=lifespan,
-                         description="Question answering, summarization and classification over long documents.")
+                         description="Question answering, summarization, classification and embeddings of long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     # a request's strings and separators: its fields (a dozen keys and values) and documents
@@ -174,16 +178,15 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                     "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)
 
     def count_failure(path: str, exc: ServiceError) -> None:
-        endpoint = path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, exc.reason).inc()
+        if path in ENDPOINTS:
+            service.metrics.failures.labels(ENDPOINTS[path], exc.reason).inc()
 
     # added last, so outermost: a caller without a key gets no further (not even its body read)
     app.add_middleware(AccessMiddleware, access=access, open_paths=settings.open_paths,
                        on_refused=count_failure, error_response=error_response)
     app.openapi = _openapi_with_limits(app, settings, service, access.enabled)
     _add_error_handlers(app, count_failure)
-    for router in (qa.router, classify.router, summarize.router, operations.router):  # the OpenAPI order
+    for router in (qa.router, classify.router, summarize.router, embed.router, operations.router):  # the OpenAPI order
         app.include_router(router)
     return app
 
@@ -201,7 +204,15 @@ def _openapi_with_limits(app: FastAPI, settings: Settings, service: Service, key
                 props["documents"]["maxItems"] = settings.max_documents
                 for text in (props["document"], props["documents"]["items"], props.get("question", {})):
                     text["maxLength"] = settings.max_document_bytes
-                for option in props["timeout"]["anyOf"]:
+            for name, field in (("EmbeddingsRequest", "input"), ("EmbedRequest", "inputs")):  # a text or a list
+                for option in bodies[name]["properties"][field]["anyOf"]:
+                    if option.get("type") == "array":
+                        option["maxItems"] = settings.max_documents
+                        option["items"]["maxLength"] = settings.max_document_bytes
+                    else:
+                        option["maxLength"] = settings.max_document_bytes
+            for name in ("QARequest", "SummarizeRequest", "ClassifyRequest", "EmbeddingsRequest", "EmbedRequest"):
+                for option in bodies[name]["properties"]["timeout"]["anyOf"]:
                     if option["type"] == "number":
                         option["maximum"] = settings.max_request_timeout_s
             if keyed:  # every operation but the open paths needs the bearer key
@@ -211,6 +222,10 @@ def _openapi_with_limits(app: FastAPI, settings: Settings, service: Service, key
                     if path not in settings.open_paths:
                         for operation in path_operations.values():
                             operation["security"] = [{"apiKey": []}]
+            dims = sorted({m.info.hidden_size for m in service.models.values() if m.info.task == "embed"})
+            for option in bodies["EmbeddingsRequest"]["properties"]["dimensions"]["anyOf"]:
+                if option["type"] == "integer" and dims:  # a loaded embed model's (vectors are not cut)
+                    option["enum"] = dims
             caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
             if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)
                 for option in bodies["SummarizeRequest"]["properties"]["max_new_tokens"]["anyOf"]:

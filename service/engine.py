@@ -22,7 +22,7 @@ from longdoc.service.metrics import Metrics, length_buckets
 from longdoc.service.settings import Settings
 from longdoc.service.workers import ModelInfo, Worker
 
-TASKS = ("qa", "summarize", "classify")
+TASKS = ("qa", "summarize", "classify", "embed")
 WorkerFactory = Callable[[str, Path, str, Settings], Worker]
 
 

@@ -3,7 +3,8 @@ model's `ModelInfo` and a validated job, run in the Service's host threads (`tok
 tokenizers' `encode_batch` releases the GIL, the rest holds it):
 
     event loop: HTTP, body checks, validation, batchers, responses
-        -> Service.host_work(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / qa_spans
+        -> Service.host_work(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / prepare_embed
+                                                / qa_spans
 
 Per 4096-token QA document the tokenizer takes about 12-20 ms of CPU and answer shaping 1-2 ms,
 against about 3 ms for the rest of the request in the event loop (docs/service.md, "Front ends";
@@ -105,6 +106,18 @@ def prepare_classify(info, job, stride: int | None, limit: int) -> list[tuple[li
         ids, _ = encode(info, doc, limit)
         windows = W.classify_windows(ids, info.max_length, stride, int(sp["cls"]), int(sp["sep"]))
         out.append(([_array(w) for w in windows], len(ids)))
+    return out
+
+
+def prepare_embed(info, job, limit: int) -> list[tuple[list[np.ndarray], int]]:
+    """Per text: its windows (`export/windows.py` embed_windows; the first only when the job
+    truncates), (S,) int32 each, and the text tokens they hold (usage)."""
+    sp = info.special_tokens
+    out = []
+    for doc in job.common.documents:
+        ids, _ = encode(info, doc, limit)
+        windows = W.embed_windows(ids, info.max_length, int(sp["cls"]), int(sp["sep"]), job.truncate)
+        out.append(([_array(w) for w in windows], sum(len(w) - 2 for w in windows)))
     return out
 
 

@@ -117,7 +117,7 @@ class Metrics:
         self._is_ready: Callable[[], bool] = lambda: False
         self.ready.set(0)
         for reason in FAILURE_REASONS:  # export zeros so dashboards see every series
-            for endpoint in ("qa", "summarize", "classify"):
+            for endpoint in ("qa", "summarize", "classify", "embeddings", "embed"):
                 self.failures.labels(endpoint, reason)
 
     def track_readiness(self, is_ready: Callable[[], bool]) -> None:

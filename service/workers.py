@@ -39,7 +39,7 @@ class ModelInfo:
     """What the router may know about a model (from its manifest)."""
 
     name: str
-    task: str  # "qa" | "classify" | "summarize"
+    task: str  # "qa" | "classify" | "summarize" | "embed"
     max_length: int  # encoder tokens, specials included
     block_size: int
     tokenizer: Tokenizer
@@ -54,6 +54,9 @@ class ModelInfo:
     # what a request's settings are resolved against (longdoc.model.search.resolve_settings)
     generation: dict[str, Any] = field(default_factory=dict)
     summarize_input: str = "doc-eos"  # summarize: the encoder input's template (manifest.SUMMARIZE_INPUTS)
+    # embed: {"pooling", "normalize"} (manifest.embedding; the graph pools, the service normalizes)
+    embedding: dict[str, Any] | None = None
+    hidden_size: int = 0  # embed: the vectors' dimensions
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ def _info_from_model(name: str, directory: Path, model) -> ModelInfo:
         directory=str(directory),
         generation=search_defaults(m) if m.task == "summarize" else {},
         summarize_input=m.summarize_input,
+        embedding=dict(m.embedding) if m.embedding else None,
+        hidden_size=m.hidden_size,
     )
 
 

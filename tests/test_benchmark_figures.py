@@ -69,6 +69,19 @@ def test_the_battery_table_is_its_results_file():
     assert load_bench("battery").markdown_table(run["rows"]) in PAGE and run["command"] in PAGE
 
 
+def test_the_battery_ran_every_part():
+    """The results file on the page is a whole run (issue 38): the floods from several addresses and
+    from the probes' own, the slow bodies, the over-token senders, header sizes, the overload with
+    Retry-After obeyed and ignored, and the kill -9 of an engine and of a front end."""
+    parts = " / ".join(r["part"] for r in results("battery.json")["rows"])
+    for words in ("idle connections from 127.0.0.1 (the probes' own)", "idle connections from 5 addresses",
+                  "slow-body (1 byte/s) connections from 5 addresses", "over-token documents",
+                  "a header of 1 kB to 1 MB", "client obeys Retry-After", "client ignores Retry-After",
+                  "Retry-After R vs time A until the next admission", "4x overload", "kill -9 of the engine",
+                  "kill -9 of one of two front ends", "SIGTERM", "SIGINT twice", "protocol errors"):
+        assert words in parts, words
+
+
 def test_every_benchmark_script_is_on_the_page():
     """bench/ holds the scripts a figure comes from (and their helpers): each is named here."""
     helpers = {"common.py"}  # imported by the others

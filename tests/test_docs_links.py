@@ -41,3 +41,10 @@ def test_reference_pages_have_no_lab_sections(page):
     """No dated runs, "History", "Earlier runs", "Second attempt" or re-runs: current behaviour and
     current figures only (dated work belongs in docs/notes/)."""
     assert not LAB_HEADING.findall(page.read_text()), LAB_HEADING.findall(page.read_text())
+
+
+def test_the_readme_is_short():
+    """The README is what a newcomer reads first: what it is, set-up, requests, where the default
+    models work, bringing a checkpoint, links (issue 37). Details belong in docs/."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 150, f"README.md has {lines} lines; move details to docs/"

@@ -36,8 +36,10 @@ def fake_tokenizer(extra_words: int = 200) -> Tokenizer:
 
 class FakeWorker:
     """qa: start and end logits peak on the token "gold"; classify: logits = counts of "bad" and
-    "good" per window (labels bad, good); summarize: copies the document's first tokens, then
-    eos. `delay_s` sleeps per run/step; `fail_runs` makes that many runs raise."""
+    "good" per window (labels bad, good); embed: per window, the share of its tokens that are each
+    of FAKE_WORDS (a vector of len(FAKE_WORDS), normalized by the service); summarize: copies the
+    document's first tokens, then eos. `delay_s` sleeps per run/step; `fail_runs` makes that many
+    runs raise."""
 
     overlaps_encoding = False
 
@@ -49,6 +51,8 @@ class FakeWorker:
             name=name, task=task, max_length=max_length, block_size=block_size, tokenizer=self.tokenizer,
             special_tokens=dict(FAKE_SPECIALS), labels=("bad", "good") if task == "classify" else None,
             plan="hf-eval", max_new_tokens=64, generation=dict(FAKE_GENERATION),
+            embedding={"pooling": "mean", "normalize": True} if task == "embed" else None,
+            hidden_size=len(FAKE_WORDS),
         )
         self.max_batch_tokens = max_batch_tokens
         self.delay_s = delay_s
@@ -87,6 +91,10 @@ class FakeWorker:
         if self.info.task == "qa":
             hit = (ids == vocab["gold"]).astype(np.float32) * 10.0
             return {"start_logits": hit, "end_logits": hit.copy()}
+        if self.info.task == "embed":  # mean "pooling" over the real tokens of each row
+            real = batch.attention_mask.astype(np.float32)
+            counts = np.stack([((ids == vocab[w]) * real).sum(axis=1) for w in FAKE_WORDS], axis=1)
+            return {"embedding": (counts / real.sum(axis=1, keepdims=True)).astype(np.float32)}
         bad = (ids == vocab["bad"]).sum(axis=1)
         good = (ids == vocab["good"]).sum(axis=1)
         return {"logits": np.stack([bad, good], axis=1).astype(np.float32)}

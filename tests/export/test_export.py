@@ -289,14 +289,16 @@ def test_manifest_special_tokens_are_complete(tiny_qa_dir, tiny_summarize_dir):
 
 
 def test_tokenizer_files_name_the_special_tokens(tmp_path):
-    """special_tokens_map.json wins over config ids (what the tokenizer really emits)."""
+    """special_tokens_map.json wins over config ids (what the tokenizer really emits). (A classifier:
+    BigBird QA reads sep_token_id from its config, and export refuses one that disagrees,
+    tests/export/test_special_token_ids.py.)"""
     import json
 
     from longdoc.testing.tiny_models import CLS
 
-    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qa")
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "classify")
     (ckpt / "special_tokens_map.json").write_text(json.dumps({"sep_token": "[CLS]"}))
-    manifest = export_model(ckpt, tmp_path / "model", "qa", progress=quiet)
+    manifest = export_model(ckpt, tmp_path / "model", "classify", progress=quiet)
     assert manifest.special_tokens["sep"] == CLS
 
 

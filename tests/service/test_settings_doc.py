@@ -1,5 +1,6 @@
-"""docs/service.md's settings table names every field of `Settings` (service/settings.py), and
-nothing else: a setting added, renamed or removed without the table fails here."""
+"""docs/service.md's settings table names every field of `Settings` (service/settings.py), and its
+file table every module of service/, and nothing else: a setting or module added, renamed or
+removed without the docs fails here."""
 
 from __future__ import annotations
 
@@ -36,3 +37,14 @@ def test_a_row_is_read_whatever_it_groups():
     table = ("| setting | default | meaning |\n|---|---|---|\n| `a` / `b` | 1 / 2 | `not_a_name` here |\n"
              "| `c` | x | y |\n\nafter the table: `d`\n")
     assert documented_settings(table) == ["a", "b", "c"]
+
+
+def test_the_file_table_names_every_module_of_the_service():
+    """The table at the top of docs/service.md names every module of service/."""
+    text = DOC.read_text()
+    table = text[text.index("| file | what |"):text.index("\n\n", text.index("| file | what |"))]
+    service = DOC.parents[1] / "service"
+    modules = {str(p.relative_to(service.parent)) for p in service.glob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"`(service/\w+\.py)`", table))
+    assert not modules - named, f"docs/service.md's file table lacks {sorted(modules - named)}"
+    assert not named - modules, f"docs/service.md's file table names no such module: {sorted(named - modules)}"

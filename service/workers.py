@@ -307,10 +307,14 @@ class _FixedShapes:
     with). Buffers are keyed by the dimensions they depend on: capacity (rows), Se (encoder length
     bucket), P (cache length), K (banned tokens per row)."""
 
+    MAX_STEP_SESSIONS = 8  # decoder sessions kept, the most recently used (each holds the weights)
+
     def __init__(self, decoder: DeviceDecoder, cuda_graph: bool):
+        from collections import OrderedDict
+
         self.decoder, self.cuda_graph = decoder, cuda_graph
         self._buffers: dict[tuple, list[Any]] = {}
-        self._steps: dict[tuple, tuple] = {}  # (capacity, Se, P) -> decoder session, its binding
+        self._steps: OrderedDict[tuple, tuple] = OrderedDict()  # (capacity, Se, P) -> session, its binding
         self._tails: dict[tuple, tuple] = {}  # (capacity, P, K) -> tail session, its binding
         self.runs: Counter[tuple] = Counter()  # runs per step shape (the first ones capture)
 
@@ -351,6 +355,11 @@ class _FixedShapes:
             for name, value in zip(g.present, self.present(capacity, P)):
                 binding.bind_ortvalue_output(name, value)
             self._steps[key] = (session, binding)
+            while len(self._steps) > self.MAX_STEP_SESSIONS:  # a shape seen again is built and captured again
+                gone = self._steps.popitem(last=False)[0]
+                for shape in [s for s in self.runs if s[:3] == gone]:
+                    del self.runs[shape]
+        self._steps.move_to_end(key)
         return self._steps[key]
 
     def _session(self, build):

@@ -558,3 +558,27 @@ def test_a_refused_capture_leaves_the_steps_uncaptured(summarizer, monkeypatch, 
         got = asyncio.run(scheduled(worker, [ids], [dict(max_new_tokens=6)], reads=(0,)))
     assert got == want and not decoder.fixed.cuda_graph
     assert sum("capture refused" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_fixed_shape_sessions_are_bounded(summarizer, monkeypatch):
+    """Each fixed-shape decoder session holds its own weights: the worker keeps the most recently
+    used few, and a shape seen again gets a new session (captured again on CUDA: its run count
+    starts over) with the same buffers, and the same tokens."""
+    from longdoc.service import workers
+
+    monkeypatch.setattr(workers._FixedShapes, "MAX_STEP_SESSIONS", 1)
+    worker = fixed_worker(summarizer)
+    dec = worker.decoder
+    start = worker.info.special_tokens["decoder_start"]
+    short, long = (document_ids(worker.model, text_of(n, seed=n)) for n in (30, 300))
+    got, sessions = [], []
+    for ids in (short, long, short):  # the source bucket changes: another shape each time
+        states = worker.begin([ids])
+        tokens = [start]
+        for _ in range(3):
+            tokens = worker.step_greedy(states, tokens, [StepConstraints()])
+        got.append(tokens)
+        sessions.append(next(iter(dec.fixed._steps.values()))[0])
+        worker.release()
+        assert len(dec.fixed._steps) == 1 and all(s[:3] in dec.fixed._steps for s in dec.fixed.runs)
+    assert got[0] == got[2] and sessions[0] is not sessions[1] and sessions[2] is not sessions[0]

@@ -325,13 +325,15 @@ class _FixedShapes:
             d = self.decoder
             found = self._buffers[key] = [d.regroup.ort.OrtValue.ortvalue_from_shape_and_type(
                 shape, dtype, d.device_type, d.device_id) for _ in range(n)]
-            if zero:  # a cache's positions not yet written are masked, and must hold finite values
+            if zero:  # masked positions and unused rows must hold finite values
                 d.regroup.fill(found)
         return found
 
     def cross(self, capacity: int, Se: int) -> list[Any]:
         d = self.decoder
-        return self.buffers("cross", [capacity, d.heads, Se, d.head_dim], d.model.float_type, len(d.kv))
+        # zeroed: the step runs every row, the unused ones too, and an int8 graph quantizes each
+        # activation with one scale over all rows (a NaN left in memory would reach every row)
+        return self.buffers("cross", [capacity, d.heads, Se, d.head_dim], d.model.float_type, len(d.kv), zero=True)
 
     def cache(self, capacity: int, P: int) -> list[Any]:
         d = self.decoder

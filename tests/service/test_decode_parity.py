@@ -130,8 +130,8 @@ def sse_tokens(body: str) -> tuple[list[int], dict]:
     return [i for name, d in events if name == "token" for i in d["ids"]], events[-1][1]["results"][0]
 
 
-async def ask(directory, bodies: list[dict]) -> list[httpx.Response]:
-    app = create_app(Settings(models={"sum": str(directory)}, threads=1, warmup=False))
+async def ask(directory, bodies: list[dict], **settings) -> list[httpx.Response]:
+    app = create_app(Settings(models={"sum": str(directory)}, threads=1, warmup=False, **settings))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             return await asyncio.gather(*(c.post("/v1/summarize", json=b, timeout=120) for b in bodies))
@@ -163,12 +163,14 @@ def test_app_answers_as_the_reference_search(tiny_summarize_options_dir):
     assert tokens == ref(0, no_repeat_ngram_size=0)
 
 
-def test_shipped_summarizer_forces_eos_as_offline():
+@pytest.mark.parametrize("steps", ["auto", "fixed"])
+def test_shipped_summarizer_forces_eos_as_offline(steps):
     """models/summarize sets forced_eos_token_id 102: with max_new_tokens=4 the fourth position
     is eos, so three tokens come back (the scheduler used to add a fourth). getsockopt(2): its
     first three greedy tokens ("manipulate socket options") win by 0.70, 2.48 and 2.16 logits. Near
     ties may flip between the offline call and the service (int8's dynamic activation scales span
-    the decoding batch, and the thread counts differ): a third token won by 0.01 did in a CI run."""
+    the decoding batch, and the thread counts differ): a third token won by 0.01 did in a CI run.
+    The shipped export predates fixed-shape steps and serves them too (the same graph)."""
     from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(SHIPPED, threads=1)
@@ -177,7 +179,8 @@ def test_shipped_summarizer_forces_eos_as_offline():
     want = reference(model, document_ids(model, page), max_new_tokens=4)
     assert model.tokenizer.decode(want) == "manipulate socket options"
     plain, streamed = asyncio.run(ask(SHIPPED, [{"document": page, "max_new_tokens": 4},
-                                                {"document": page, "max_new_tokens": 4, "stream": True}]))
+                                                {"document": page, "max_new_tokens": 4, "stream": True}],
+                                         decoder_steps=steps))
     assert plain.status_code == streamed.status_code == 200
     assert plain.json()["results"][0]["generated_tokens"] == 3
     assert plain.json()["results"][0]["summary"] == model.tokenizer.decode(want)

@@ -40,17 +40,13 @@ def test_the_real_size_tables_are_its_results_file():
     assert load_bench("real_size").table(run["results"]) in PAGE and run["command"] in PAGE
 
 
-def test_the_host_path_tables_are_their_results_files():
+def test_the_host_path_table_is_its_results_file():
     bench = load_bench("host_path")
-    for name in ("host_path.json", "host_path_front_ends.json"):
-        assert bench.markdown_table(results(name)["summary"]) in PAGE, name
+    assert bench.markdown_table(results("host_path.json")["summary"]) in PAGE
     fe = {(r["mode"], r["cores"]): r for r in results("host_path.json")["summary"]}["front-ends", 2]
     flat = " ".join(PAGE.split())
     assert (f"average {fe['load_average']:.1f}) left the server about {fe['server_cores_busy']:.2f} of a core "
             f"whatever it was given, so the front ends' {fe['vs_1_core']:.2f}x") in flat
-    old = {r["mode"]: r for r in results("host_path_front_ends.json")["summary"]}
-    assert (f"{old['fe2']['loop_cpu_ms_per_doc']:.1f} ms of CPU per document against "
-            f"{old['pool']['loop_cpu_ms_per_doc']:.1f} ms") in flat
 
 
 def test_the_decode_rows_are_their_results_files():

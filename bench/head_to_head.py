@@ -23,7 +23,7 @@ answer span (character offsets), among the pairs both answered.
     python bench/head_to_head.py --work /tmp/h2h-work --requests 4 --concurrency 1,4 \
         --max-tokens 5000 --max-seconds 60                                 # a smoke run
 
-Writes the tables into docs/head_to_head.md (between its results markers), docs/head_to_head.json and
+Writes the tables into docs/benchmarks.md (between its results markers), docs/head_to_head.json and
 docs/head_to_head.png (--docs).
 """
 
@@ -241,7 +241,7 @@ RESULTS_BEGIN, RESULTS_END = "<!-- results: written by bench/head_to_head.py -->
 
 def write_results(doc: Path, text: str) -> None:
     """Replace the part of doc between the results markers (the prose around it stays)."""
-    page = doc.read_text() if doc.is_file() else f"# Head-to-head\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
+    page = doc.read_text() if doc.is_file() else f"# Benchmarks\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
     head, sep, rest = page.partition(RESULTS_BEGIN)
     _, sep2, tail = rest.partition(RESULTS_END)
     if not (sep and sep2):
@@ -290,7 +290,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime / torch threads of each server (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="order of the records (default: 0)")
     p.add_argument("--docs", type=Path, default=ROOT / "docs",
-                   help="write head_to_head.md/.json/.png here (default: docs/ of this checkout)")
+                   help="write head_to_head.json/.png and the tables into benchmarks.md here (default: docs/ of this checkout)")
     args = p.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in systems if s not in SYSTEMS]:
@@ -311,7 +311,7 @@ def main() -> int:
     args.docs.mkdir(parents=True, exist_ok=True)
     (args.docs / "head_to_head.json").write_text(json.dumps(
         {"command": command, "started_utc": started, "results": results}, indent=1) + "\n")
-    write_results(args.docs / "head_to_head.md", text)
+    write_results(args.docs / "benchmarks.md", text)
     plot(results, args.docs / "head_to_head.png")
     return 0
 

@@ -16,9 +16,9 @@ its next request when the previous is answered, so the client's own cost per req
     python bench/host_path.py --model-dir models/qa --cores 1,2,4,8,15 --client-cpus 15   # GPU host
 
 Prints a table, writes a JSON results file (--out) and a plot (--plot). Modes (--mode NAME=FLAGS,
-repeatable) are `longdoc serve` flags: `threads` tokenizes in the server process (the path before
-issue 24), `pool` in host processes (`--host-processes` unset: one per core). Numbers and the
-commands that produced them: docs/service.md ("Host path").
+repeatable) are `longdoc serve` flags, `{cores}` replaced by the point's core count: `one-process`
+is the default server, `front-ends` runs `--front-ends {cores}` (one front end per core, in front
+of the engine process). Numbers and the commands that produced them: docs/benchmarks.md ("The host path").
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 from common import cpu_name
 
 QUESTION = "where is the gold"
-DEFAULT_MODES = ("threads=--host-processes 0", "pool=")
+DEFAULT_MODES = ("one-process=", "front-ends=--front-ends {cores}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +55,8 @@ class NullWorker:
 
     The logits are a fixed random table, not zeros: answer shaping over flat logits is a
     degenerate case (every span ties, and numpy's partition takes 4x as long as on a model's)."""
+
+    overlaps_encoding = False
 
     def __init__(self, info, max_batch_tokens: int):
         self.info = info
@@ -202,7 +204,8 @@ def _proc_cpu(pid: int) -> float:
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU seconds so far of the server process `pid` and of its live child processes (the host pool)."""
+    """CPU seconds so far of the server process `pid` (with --front-ends: the engine) and of its live
+    child processes (the front ends)."""
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -282,8 +285,8 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def markdown_table(summary: list[dict]) -> str:
     """The summary as docs/service.md shows it (a test compares the two)."""
-    lines = ["| mode | server cores | docs/s | vs 1 core | cores busy | event-loop process CPU ms/doc | "
-             "pool processes CPU ms/doc | load average |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | server cores | docs/s | vs 1 core | cores busy | main process CPU ms/doc | "
+             "child processes CPU ms/doc | load average |", "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         ratio = f"{r['vs_1_core']:.2f}x" if "vs_1_core" in r else "-"
         lines.append(f"| {r['mode']} | {r['cores']} | {r['docs_per_s']:.1f} | {ratio} | "
@@ -354,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     allowed = sorted(os.sched_getaffinity(0) if not args.client_cpus else range(os.cpu_count() or 1))
     modes = [m.partition("=") for m in (args.mode or DEFAULT_MODES)]
     results = []
-    print(f"{'mode':8s} {'cores':>5s} {'docs/s':>7s} {'p50 ms':>7s} {'server ms':>9s} {'tokenize ms':>11s} "
-          f"{'cores busy':>10s} {'loop cpu ms/doc':>15s} {'pool cpu ms/doc':>15s} {'client cpu ms/doc':>17s} "
+    print(f"{'mode':12s} {'cores':>5s} {'docs/s':>7s} {'p50 ms':>7s} {'server ms':>9s} {'tokenize ms':>11s} "
+          f"{'cores busy':>10s} {'main cpu ms/doc':>15s} {'child cpu ms/doc':>16s} {'client cpu ms/doc':>17s} "
           f"{'load':>5s}", flush=True)
     cores = [int(c) for c in args.cores.split(",")]
     if max(cores) > len(allowed):
@@ -364,14 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, _, flags in modes:
             for n in cores:
                 load = os.getloadavg()[0]
-                r = measure(args, allowed[:n], shlex.split(flags), requests_for)
+                r = measure(args, allowed[:n], shlex.split(flags.replace("{cores}", str(n))), requests_for)
                 r.update(mode=name, cores=n, flags=flags, doc_tokens=args.doc_tokens, concurrency=args.concurrency,
                          round=round_, load_average=load)
                 results.append(r)
-                print(f"{name:8s} {n:5d} {r['docs_per_s']:7.1f} {r['latency_p50_ms'] or 0:7.1f} "
+                print(f"{name:12s} {n:5d} {r['docs_per_s']:7.1f} {r['latency_p50_ms'] or 0:7.1f} "
                       f"{r['server_total_ms'] or 0:9.1f} {r['server_tokenize_ms'] or 0:11.1f} "
                       f"{r.get('server_cores_busy', 0):10.2f} {r.get('loop_cpu_ms_per_doc', 0):15.2f} "
-                      f"{r.get('pool_cpu_ms_per_doc', 0):15.2f} {r['client_cpu_ms_per_request']:17.2f} "
+                      f"{r.get('pool_cpu_ms_per_doc', 0):16.2f} {r['client_cpu_ms_per_request']:17.2f} "
                       f"{load:5.1f}", flush=True)
     summary = summarize(results)
     print(f"\nmedians of {args.repeat} round(s):\n" + markdown_table(summary))

@@ -14,7 +14,7 @@ random weights alone repeat one token), ours vs
 transformers' `generate(do_sample=False)` (same global_attention_mask), and the wall time of
 each side. Prints a Markdown table; --out also writes it (with the command) to a file.
 
-    .venv/bin/python bench/led_real_size.py --lengths 1024 4096 --threads 2 --out docs/led_real_size.md
+    .venv/bin/python bench/led_real_size.py --lengths 1024 4096 --threads 2 --out /tmp/led_real_size.md
 """
 
 from __future__ import annotations

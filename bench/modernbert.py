@@ -29,7 +29,7 @@ length.
 
     .venv/bin/python bench/modernbert.py --lengths 2048,4096,8192 --reps 2,1,1
 
-writes docs/modernbert.json and docs/modernbert.png and prints the table (docs/modernbert.md).
+writes docs/modernbert.json and docs/modernbert.png and prints the table (docs/benchmarks.md).
 `--quick` runs the same on the tests' tiny ModernBERT (longdoc/testing/tiny_models.py) at 64 and
 128 tokens, one round, into --work: a smoke test of the script.
 """
@@ -244,7 +244,7 @@ def growth(results: dict, system: str) -> float | None:
 
 
 def markdown_table(results: dict) -> str:
-    """The table of docs/modernbert.md from the results file: one row per system and length."""
+    """The table of docs/benchmarks.md from the results file: one row per system and length."""
     lengths = results["lengths"]
     rows = ["| system | tokens | latency s | vs fastest transformers | peak RSS GiB | "
             f"max \\|diff\\| vs {REFERENCE} | growth {lengths[-1]}/{lengths[0]} |",

@@ -19,7 +19,7 @@ the table to stdout and, with --out, to a JSON file.
 
     .venv/bin/python bench/real_size.py --work /tmp/longdoc-real --threads 2 --out docs/real_size.json
 
-writes docs/real_size.json: the command, the machine and the results (docs/real_size.md's tables).
+writes docs/real_size.json: the command, the machine and the results (docs/benchmarks.md's tables).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main() -> int:
     print(table(results))
     print(f"\n{len(results)} checkpoints in {(time.perf_counter() - start) / 60:.0f} min, "
           f"threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}")
-    if args.out:  # docs/real_size.md's tables are `table` of this file's "results" (tests/test_readme_figures.py)
+    if args.out:  # docs/benchmarks.md's tables are `table` of this file's "results" (tests/test_benchmark_figures.py)
         args.out.write_text(json.dumps({
             "command": command_line("real_size.py"),
             "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train summarizers on one GPU lease, as the device tool runs it (docs/model-summarize.md). That
+# Train summarizers on one GPU lease, as the device tool runs it (docs/notes/summarizer-training.md). That
 # machine has PyTorch but no package index and no MiniLM: what it needs travels in .gpuextra/
 # (git-excluded), in calls of at most 64 MiB each, made back to back (the machine goes back after
 # 30 s idle):

@@ -7,7 +7,7 @@ from the page. Two architectures, both with MiniLM's WordPiece vocabulary and 40
   positions tiled to 4096), BERT decoder whose cross-attention starts as a copy of its layer's
   self-attention, tied embeddings. Only the MLM head's transform, which MiniLM lacks, starts from
   nothing. The shipped model trained the decoder only (`--freeze-encoder`): trained with it, the
-  encoder collapsed (docs/model-summarize.md).
+  encoder collapsed (docs/notes/summarizer-training.md).
 - `--arch pegasus` (the earlier default): a small BigBird-Pegasus whose layers start random and
   whose word-piece and position tables are MiniLM's (below).
 
@@ -472,7 +472,7 @@ def copyright_summary(meta: dict, extract: Path) -> str:
 
 # the shipped BERT2BERT's generation defaults (the manifest's, so the service's and `longdoc eval`'s):
 # end with [SEP] when max_new_tokens runs out, as the Pegasus config does; no repeated trigram
-# (docs/model-summarize.md measures both settings on the broad test pages)
+# (docs/notes/summarizer-training.md measures both settings on the broad test pages)
 SHIP_GENERATION = {"bert2bert": {"forced_eos_token_id": 102, "no_repeat_ngram_size": 3}, "pegasus": {}}
 
 
@@ -504,7 +504,7 @@ def ship(checkpoint: str | Path, output: str | Path, dtype: str = "int8", corpus
     if output.exists():
         shutil.rmtree(output)
     # one int8 scale per output column: the greedy summaries match the fp32 export's on 607 of the
-    # 901 test pages (241 per matrix); ROUGE is the same within noise (docs/model-summarize.md)
+    # 901 test pages (241 per matrix); ROUGE is the same within noise (docs/notes/summarizer-training.md)
     export_model(staged, output, "summarize", dtype=dtype, int8_weights="per-channel" if dtype == "int8" else "per-tensor")
     if card_text is not None:
         card.write_text(card_text)
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                                "output": "run folder (default: data/cache/runs/summarize-b2b, or .../summarize for pegasus)",
                                "lr": "peak learning rate (default: 3e-4 for bert2bert, 5e-4 for pegasus)",
                                "freeze_encoder": "train the decoder only: the trained MiniLM encoder collapsed "
-                                                 "(docs/model-summarize.md)"})
+                                                 "(docs/notes/summarizer-training.md)"})
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--init", help="start from this checkpoint instead of a fresh init (default: none)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output (default: off)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS
+from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, SPARSE_GATHER
 from longdoc.export.verify import Agreement
 
 
@@ -18,10 +18,13 @@ def add_commands(subparsers) -> None:
                                           f"model_type is one of {families} to a self-contained ONNX model "
                                           f"directory.")
     p.add_argument("checkpoint_dir", help="directory with config.json, model.safetensors|pytorch_model.bin, "
-                                          "tokenizer.json")
+                                          "tokenizer.json; --task embed: a sentence-transformers folder as shipped "
+                                          "(modules.json, 1_Pooling/)")
     p.add_argument("output_dir", help="model directory to write (manifest.json, encoder.onnx, ...)")
-    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize"],
-                   help="what the model directory serves (required; must match the checkpoint's architecture)")
+    p.add_argument("--task", required=True, choices=["qa", "classify", "mlm", "summarize", "embed"],
+                   help="what the model directory serves (required; must match the checkpoint's architecture); "
+                        "embed: one vector per text, pooled and normalized as the folder's sentence-transformers "
+                        "modules say")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8"],
                    help="weights of the graphs; int8: dynamic quantization of the MatMul weights (default: fp32)")
     p.add_argument("--int8-attention", default="off",
@@ -29,16 +32,22 @@ def add_commands(subparsers) -> None:
                    help="with --dtype int8, also run the encoder attention's two products (Q.K^T, P.V) as "
                         "MatMulInteger: dynamic = uint8 per tensor; dynamic-s8 = keys/values symmetric int8; "
                         "per-row = as dynamic-s8 with a scale per probability row; static-p = as dynamic-s8 "
-                        "with the fixed probability scale 1/255 (docs/bench_export.md; default: off)")
+                        "with the fixed probability scale 1/255 (docs/export.md, dtypes; default: off)")
     p.add_argument("--int8-weights", default="per-tensor", choices=INT8_WEIGHTS,
                    help="with --dtype int8, the dense layers' weight scales: one per matrix, or one per output "
-                        "column (closer to fp32; the shipped summarizer uses it, docs/model-summarize.md) "
+                        "column (closer to fp32; the shipped summarizer uses it, docs/models.md) "
                         "(default: %(default)s)")
+    p.add_argument("--sparse-gather", default="gather", choices=SPARSE_GATHER,
+                   help="BigBird's block-sparse attention (BigBird, BigBird-Pegasus, BERT2BERT): how each query "
+                        "block's key/value blocks are gathered, all exact: gather = one Gather per group of 4 "
+                        "heads; all-heads = one Gather of all heads; onehot = a product with a one-hot table "
+                        "(a GEMM); window = the 3-block window as slices of a shifted copy, only the other "
+                        "blocks gathered (docs/gpu.md, \"The encoder's gathers\"; default: gather)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "full"],
                    help="Longformer only: sparse = the checkpoint's window and global tokens; full = a benchmark "
                         "baseline, every token attends to every token with the ordinary projections (what a plain "
                         "ONNX export of Longformer runs), equal to the checkpoint's outputs only when the window "
-                        "covers the whole input (docs/longformer.md; default: sparse)")
+                        "covers the whole input (docs/export.md, Longformer; default: sparse)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (default: off, a non-empty one is an error)")
     p.add_argument("--plan", default="hf-train", choices=["hf-train", "hf-eval", "seeded"],
@@ -123,7 +132,7 @@ def _export(args: argparse.Namespace) -> int:
     m = export_model(args.checkpoint_dir, args.output_dir, args.task, dtype=args.dtype, plan=args.plan,
                      progress=lambda msg: print(f"[export] {msg}", flush=True), overwrite=args.overwrite,
                      int8_attention=args.int8_attention, attention=args.attention,
-                     int8_weights=args.int8_weights)
+                     int8_weights=args.int8_weights, sparse_gather=args.sparse_gather)
     dtype = m.dtype if m.int8_attention == "off" else f"{m.dtype}, int8 attention {m.int8_attention}"
     print(f"exported {m.architecture} ({m.task}, {dtype}) to {args.output_dir} in "
           f"{time.perf_counter() - start:.1f} s\n"

@@ -13,13 +13,15 @@ import numpy as np
 
 from longdoc.export.graph import LOWERED_ACTIVATIONS, OPSET, save_model
 from longdoc.export.lowering import LONGFORMER_ATTENTION, Weights
-from longdoc.export.manifest import INT8_ATTENTION, INT8_WEIGHTS, TASKS, TOKENIZER_NAME, Manifest, file_checksums, sha256_of
+from longdoc.export.manifest import (INT8_ATTENTION, INT8_WEIGHTS, SPARSE_GATHER, TASKS, TOKENIZER_NAME, Manifest,
+                                     file_checksums, sha256_of)
 from longdoc.export.registry import LOWERINGS, BuildRequest, Lowering
 from longdoc.model.config import read_json_object
 from longdoc.model.layout import AttentionSpec
 from longdoc.model.registry import model_types_for
 from longdoc.model.search import GENERATION_FIELDS, checkpoint_generation_defaults
-from longdoc.model.tokenization import TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids
+from longdoc.model.tokenization import (TokenizerError, convert_tokenizer, load_tokenizer, special_token_ids,
+                                        special_token_mismatches)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PLANS = ("hf-train", "hf-eval", "seeded")
@@ -42,8 +44,6 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(model_type, str) or model_type not in LOWERINGS:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(LOWERINGS)})")
-    if LOWERINGS[model_type].not_implemented:
-        raise CheckpointError(f"{path}: {LOWERINGS[model_type].not_implemented}")
     unlowered = sorted({name for name in activations_of(config) if name not in LOWERED_ACTIVATIONS})
     if unlowered:
         raise CheckpointError(f"{path}: activation {', '.join(map(repr, unlowered))} cannot be exported (the export "
@@ -59,9 +59,22 @@ def activations_of(config) -> list[str]:
             *(name for v in config.values() for name in activations_of(v))]
 
 
+def sentence_embedding(directory: Path):
+    """What an embed export reads from a sentence-transformers folder (its Transformer module's
+    checkpoint, pooling, normalization, tokens per text; longdoc.export.sentence_transformers)."""
+    from longdoc.export.sentence_transformers import SentenceTransformersError, read_sentence_transformers
+
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    try:
+        return read_sentence_transformers(directory)
+    except SentenceTransformersError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def exportable_model_types(task: str) -> list[str]:
-    """The model types whose checkpoints export for `task` (records whose lowering is written)."""
-    return [t for t in model_types_for(task) if not LOWERINGS[t].not_implemented]
+    """The model types whose checkpoints export for `task` (records with a lowering)."""
+    return [t for t in model_types_for(task) if t in LOWERINGS]
 
 
 def lowering_of(config: dict) -> Lowering:
@@ -193,13 +206,16 @@ def check_output_dir(output_dir: Path, checkpoint_dir: Path, overwrite: bool) ->
 def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, dtype: str = "fp32",
                  plan: str = "hf-train", progress: Callable[[str], None] = print,
                  overwrite: bool = False, int8_attention: str = "off", attention: str = "sparse",
-                 int8_weights: str = "per-tensor") -> Manifest:
+                 int8_weights: str = "per-tensor", sparse_gather: str = "gather") -> Manifest:
     """int8_attention: the encoder's attention products in int8 too (INT8_ATTENTION; needs dtype int8).
     int8_weights: one scale per weight matrix or per output column (INT8_WEIGHTS; dtype int8 only).
     attention (Longformer only, LONGFORMER_ATTENTION): "sparse" = the checkpoint's window and global
     tokens; "full" = a benchmark baseline, dense attention over every token with the ordinary
     projections (`build_longformer_encoder`), which equals Longformer only when the window covers
     the whole input. The manifest records it as the `dense` attention pattern.
+    sparse_gather (BigBird's windows, SPARSE_GATHER): how the block-sparse attention gathers its
+    key/value blocks; every choice is exact, and the manifest records it (the runtime feeds a
+    "window" graph tables without the window).
 
     Writes a temporary sibling of `output_dir` and renames it into place at the end: an interrupted
     export leaves nothing half-written, and an export it replaces (`overwrite`) stays whole until then."""
@@ -215,10 +231,20 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"int8 weights {int8_weights!r} is not one of {', '.join(INT8_WEIGHTS)}")
     if int8_weights != "per-tensor" and dtype != "int8":
         raise CheckpointError(f"--int8-weights {int8_weights} needs --dtype int8 (got {dtype})")
+    if sparse_gather not in SPARSE_GATHER:
+        raise CheckpointError(f"sparse gather {sparse_gather!r} is not one of {', '.join(SPARSE_GATHER)}")
+    if sparse_gather in ("onehot", "window") and int8_attention != "off":
+        raise CheckpointError(f"--sparse-gather {sparse_gather} is built for float attention products "
+                              f"(got --int8-attention {int8_attention})")
     if plan not in PLANS:
         raise CheckpointError(f"plan {plan!r} is not one of {', '.join(PLANS)}")
     if attention not in LONGFORMER_ATTENTION:
         raise CheckpointError(f"attention {attention!r} is not one of {', '.join(LONGFORMER_ATTENTION)}")
+    embedding = None
+    if task == "embed":  # a sentence-transformers folder: its Transformer module is the checkpoint
+        embedding = sentence_embedding(checkpoint_dir)
+        progress(f"reading {embedding.described}")
+        checkpoint_dir = embedding.checkpoint_dir
     config = read_config(checkpoint_dir)
     task = task_of(config, task)
     lowering = lowering_of(config)
@@ -231,15 +257,24 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
         raise CheckpointError(f"--int8-attention {int8_attention}: the int8 attention products are built for the "
                               f"block-sparse BigBird attention; {lowering.no_int8_attention} "
                               "(use --int8-attention off)")
+    if sparse_gather != "gather" and lowering.no_sparse_gather:
+        raise CheckpointError(f"--sparse-gather {sparse_gather}: {config['model_type']} {lowering.no_sparse_gather}")
     bs = encoder_block_size(config)
     wpath = weights_path(checkpoint_dir)
     tokenizer = checkpoint_tokenizer(checkpoint_dir, progress)
+    mismatches = special_token_mismatches(checkpoint_dir, tokenizer, config, record.config_token_ids.get(task, ()),
+                                          record.tasks[task])
+    if mismatches:
+        raise CheckpointError(f"{checkpoint_dir}: the config and the tokenizer disagree on special tokens: "
+                              + "; ".join(mismatches))
     progress(f"reading {wpath}")
     weights = Weights(read_weights(checkpoint_dir))
     graph_dtype = "fp16" if dtype == "fp16" else "fp32"
 
     built = lowering.build(weights, config, BuildRequest(task=task, dtype=graph_dtype, int8_attention=int8_attention,
-                                                         attention=attention, progress=progress))
+                                                         attention=attention, progress=progress,
+                                                         pooling=embedding.pooling if embedding else "mean",
+                                                         sparse_gather=sparse_gather))
     graphs, decoder = built.graphs, built.decoder
     if decoder is not None:
         decoder = {**decoder, "generation": generation_defaults(checkpoint_dir, config)}
@@ -261,7 +296,13 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             else:
                 save_model(model, path)
             progress(f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        if (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
+        cuts = [name for name, value in (("truncation", tokenizer.truncation), ("padding", tokenizer.padding)) if value]
+        if cuts:  # the service windows whole documents: a tokenizer that cuts or pads them would lose text
+            progress(f"{TOKENIZER_NAME}: dropped the checkpoint tokenizer's {' and '.join(cuts)}")
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
+            tokenizer.save(str(staging / TOKENIZER_NAME))
+        elif (checkpoint_dir / TOKENIZER_NAME).is_file():  # byte for byte
             shutil.copyfile(checkpoint_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
         else:
             tokenizer.save(str(staging / TOKENIZER_NAME))
@@ -272,6 +313,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             labels = [id2label[str(i)] for i in range(len(id2label))]
         special = special_token_ids(checkpoint_dir, tokenizer=tokenizer)
         min_length, max_length, full_max = length_bounds(config, attention)
+        if embedding is not None and embedding.max_seq_length:  # the window sentence-transformers embeds
+            max_length = min(max_length, embedding.max_seq_length // bs * bs)
+            full_max = min(full_max, max_length)
         layers = layer_attention_dicts(config, plan)
         manifest = Manifest(
             task=task, architecture=(config.get("architectures") or [record.tasks[task]])[0], dtype=dtype,
@@ -283,8 +327,9 @@ def export_model(checkpoint_dir: str | Path, output_dir: str | Path, task: str, 
             full_attention_max_length=full_max, labels=labels,
             global_tokens="none" if attention == "full" else record.global_tokens_of(task),
             special_tokens=special, decoder=decoder, int8_attention=int8_attention,
-            int8_weights=int8_weights,
+            int8_weights=int8_weights, sparse_gather=sparse_gather,
             summarize_input=record.summarize_input if task == "summarize" else "doc-eos",
+            embedding=embedding.manifest_entry() if embedding else None,
             source={"checkpoint": str(checkpoint_dir.resolve()), "sha256": sha256_of(wpath)},
             versions=_versions(), files=file_checksums(staging, _graph_files(staging, graphs) + [TOKENIZER_NAME]))
         manifest.save(staging)
@@ -331,7 +376,7 @@ def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     attention MatMuls multiply two activations and stay fp32. Each activation entering a dense
     layer gets one scale per row (`longdoc.export.quantization.per_row_activations`), so a
     sequence's outputs do not depend on the rest of its batch. per_channel: one weight scale per
-    output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
+    output column instead of one per matrix (docs/notes/summarizer-training.md: the BERT2BERT summarizer
     keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic

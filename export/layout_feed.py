@@ -54,3 +54,35 @@ def _feed_globals(global_blocks, n_blocks) -> dict[str, np.ndarray]:
     if len(global_blocks) == 0:  # keep G >= 1 (no empty tensors): compute block 0 densely, unused
         global_blocks = np.zeros(1, np.int64)
     return {"global_blocks": global_blocks.astype(np.int64), "block_source": block_source}
+
+
+def without_window(feed: dict[str, np.ndarray], window_blocks: int) -> dict[str, np.ndarray]:
+    """The tables of a graph exported with `--sparse-gather window`, which reads each sparse row's
+    window (query block i attends to blocks i - w .. i + w, w = window_blocks // 2, those that exist)
+    from slices of a shifted copy of the keys: every row that is not global keeps only its other
+    slots, in their order (one occurrence of each window block removed, so a block listed twice
+    still counts twice), padded with invalid slots to the widest such row (at least 1).
+
+    A row whose table lacks a block of its own window cannot be written so: ValueError (BigBird's
+    tables and the dense one always hold it; export/exporter.py refuses other patterns)."""
+    key_blocks, valid = feed["layout_key_blocks"], feed["layout_valid"]  # (L, H, nb, K)
+    nb = key_blocks.shape[2]
+    row = np.arange(nb)[:, None]  # (nb, 1)
+    sparse_row = valid.any(axis=-1)  # (L, H, nb): global rows list nothing
+    keep = valid.copy()
+    half = window_blocks // 2
+    for d in range(-half, half + 1):
+        match = keep & (key_blocks == row + d)  # (L, H, nb, K)
+        first = match & (np.cumsum(match, axis=-1) == 1)
+        exists = (0 <= row[:, 0] + d) & (row[:, 0] + d < nb)  # (nb,)
+        missing = sparse_row & exists & ~first.any(axis=-1)
+        if missing.any():
+            l, h, i = (int(x[0]) for x in np.nonzero(missing))
+            raise ValueError(f"layer {l} head {h} query block {i} does not attend to block {i + d} of its "
+                             f"{window_blocks}-block window: this layout cannot run in a `--sparse-gather window` graph")
+        keep &= ~first
+    width = max(1, int(keep.sum(axis=-1).max(initial=0)))
+    order = np.argsort(~keep, axis=-1, kind="stable")[..., :width]  # kept slots first, in their order
+    return {**feed, "layout_key_blocks": np.where(np.take_along_axis(keep, order, -1),
+                                                  np.take_along_axis(key_blocks, order, -1), 0),
+            "layout_valid": np.take_along_axis(keep, order, -1)}

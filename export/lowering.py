@@ -35,10 +35,13 @@ import numpy as np
 from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
+from longdoc.export.manifest import EMBEDDING_POOLING
+from longdoc.export.runtime import DecoderGraph
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
                                              declare_layout_inputs, dense_attention, for_layer, gather_tokens,
                                              longformer_context, merge_heads, split_heads)
-from longdoc.model.layout import longformer_block_size, longformer_layer_specs, modernbert_layer_specs
+from longdoc.model.layout import (checkpoint_attention_spec, longformer_block_size, longformer_layer_specs,
+                                  modernbert_layer_specs)
 from longdoc.model.registry import led_window_config
 
 class Weights:
@@ -107,14 +110,43 @@ def _bert_embeddings(g: GraphBuilder, w: Weights, config: dict, p: str, ids: str
     return g.layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], eps, "emb_ln")
 
 
+def _bigbird_context(g: GraphBuilder, config: dict, mask: str, num_heads: int, head_dim: int, sparse: bool,
+                     int8_attention: str, sparse_gather: str) -> AttentionContext:
+    """BigBird's attention (BigBird, BigBird-Pegasus, the BERT2BERT encoder): its block size and, for
+    `sparse_gather` "window" (SPARSE_GATHER), the window the layout spec gives every row."""
+    return attention_context(g, mask, config["block_size"], num_heads, head_dim, sparse, int8=int8_attention,
+                             gather=sparse_gather, window_blocks=checkpoint_attention_spec(config).window_blocks)
+
+
+def pool_tokens(g: GraphBuilder, x: str, mask: str, pooling: str) -> str:
+    """sentence-transformers' Pooling of the last hidden states x (B, S, E) over the real tokens of
+    mask (B, S): "mean" (summed in fp32, divided by the real tokens' count) or "cls" (the first
+    token). (B, E) in the graph's dtype."""
+    if pooling == "cls":
+        return g.op("Gather", [x, g.const(0)], axis=1)  # (B, E)
+    if pooling != "mean":
+        raise ValueError(f"pooling {pooling!r} is not one of {', '.join(EMBEDDING_POOLING)}")
+    real = g.op("Unsqueeze", [g.op("Cast", [mask], to=TensorProto.FLOAT), g.const([2])])  # (B, S, 1)
+    total = g.op("ReduceSum", [g.op("Mul", [g.to_fp32(x), real]), g.const([1])], keepdims=0)  # (B, E)
+    pooled = g.op("Div", [total, g.op("ReduceSum", [real, g.const([1])], keepdims=0)])  # / (B, 1)
+    return pooled if g.dtype == "fp32" else g.to_float(pooled)
+
+
+def encoder_prefix(w: Weights, prefix: str, first_key: str) -> str:
+    """The encoder's key prefix in this checkpoint: `prefix` in a task model's file ("bert.",
+    "model."), none in a bare encoder's (transformers' BertModel / BigBirdModel / ModernBertModel)."""
+    return prefix if prefix + first_key in w else ""
+
+
 def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, mask: str, sparse: bool,
-                   int8_attention: str = "off") -> str:
+                   int8_attention: str = "off", sparse_gather: str = "gather") -> str:
     """The BigBird encoder layers under prefix p (`{p}encoder.layer.N.`), block-sparse over the
     layout inputs or full: (B, S, E) -> (B, S, E). BigBirdFor* (p "bert.") and the BERT2BERT
-    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
+    encoder (p "encoder.") both run this. int8_attention: export/sparse_attention.py's INT8_ATTENTION;
+    sparse_gather: export/manifest.py's SPARSE_GATHER."""
     E, H = config["hidden_size"], config["num_attention_heads"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
+    ctx = _bigbird_context(g, config, mask, H, E // H, sparse, int8_attention, sparse_gather)
     for i in range(config["num_hidden_layers"]):
         g.scope = f"layer{i}/"
         lp = f"{p}encoder.layer.{i}."
@@ -126,10 +158,13 @@ def _bigbird_stack(g: GraphBuilder, w: Weights, config: dict, p: str, x: str, ma
 
 
 def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, sparse: bool,
-                          sep_token_id: int | None = None, int8_attention: str = "off"):
+                          sep_token_id: int | None = None, int8_attention: str = "off", pooling: str = "mean",
+                          sparse_gather: str = "gather"):
     """input_ids, attention_mask, token_type_ids (B, S) int64 [+ layout inputs] ->
-    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V).
-    int8_attention: export/sparse_attention.py's INT8_ATTENTION."""
+    start_logits/end_logits (B, S) | logits (B, num_labels) | logits (B, S, V) | embedding (B, E).
+    int8_attention: export/sparse_attention.py's INT8_ATTENTION; pooling: the embedding's
+    (`pool_tokens`); sparse_gather: SPARSE_GATHER. BERT (longdoc.model.bert) is this graph with full
+    attention."""
     g = GraphBuilder(f"bigbird_{task}_encoder", dtype)
     E = config["hidden_size"]
     eps, act = config.get("layer_norm_eps", 1e-12), config.get("hidden_act", "gelu_new")
@@ -139,9 +174,9 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
     if sparse:
         declare_layout_inputs(g)
 
-    p = "bert."
+    p = encoder_prefix(w, "bert.", "embeddings.word_embeddings.weight")
     x = _bert_embeddings(g, w, config, p, ids, types, _positions(g, ids))
-    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention)
+    x = _bigbird_stack(g, w, config, p, x, mask, sparse, int8_attention, sparse_gather)
     g.scope = "head/"
 
     if task == "qa":
@@ -178,6 +213,8 @@ def build_bigbird_encoder(w: Weights, config: dict, task: str, dtype: str, spars
             w.used.add(hp + "decoder.bias")
         g.output(g.to_fp32(g.linear(h, decoder, bias, "decoder")), "logits", TensorProto.FLOAT,
                  ["batch", "sequence", "vocab"])
+    elif task == "embed":
+        g.output(g.to_fp32(pool_tokens(g, x, mask, pooling)), "embedding", TensorProto.FLOAT, ["batch", E])
     elif task == "encode":
         g.output(g.to_fp32(x), "last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", E])
     else:
@@ -271,7 +308,8 @@ def _pegasus_dims(config: dict) -> dict:
             "act": config.get("activation_function", "gelu_new")}
 
 
-def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
+def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off",
+                          sparse_gather: str = "gather"):
     """input_ids, attention_mask (B, S) [+ layout inputs] -> last_hidden_state (B, S, E) and,
     per decoder layer l, cross_key_l / cross_value_l (B, H, S, D)."""
     dims = _pegasus_dims(config)
@@ -285,7 +323,7 @@ def build_pegasus_encoder(w: Weights, config: dict, dtype: str, sparse: bool, in
     embed = w.first(p + "embed_tokens.weight", "model.shared.weight")
     x = g.op("Mul", [_embedding(g, embed, ids, "embed_tokens"), g.fconst(dims["scale"])])
     x = g.op("Add", [x, _embedding(g, w[p + "embed_positions.weight"], _positions(g, ids), "positions")])
-    ctx = attention_context(g, mask, config["block_size"], H, E // H, sparse, int8=int8_attention)
+    ctx = _bigbird_context(g, config, mask, H, E // H, sparse, int8_attention, sparse_gather)
     for i in range(config["encoder_layers"]):
         g.scope = f"enc{i}/"
         lp = f"{p}layers.{i}."
@@ -314,24 +352,22 @@ def _cross_kv_outputs(g: GraphBuilder, w: Weights, x: str, projections: list[tup
     encoder output x (B, S, E); projections: per layer the (key, value) weight prefixes."""
     ctx = AttentionContext(0, H, D, "", None, None, False)
     for i, prefixes in enumerate(projections):
-        for kind, wp in zip(("key", "value"), prefixes):
+        for kind, name, wp in zip(("key", "value"), DecoderGraph.layer("cross", i), prefixes):
             t = g.linear(x, w[wp + ".weight"], w.get(wp + ".bias"), f"cross_{kind}_proj{i}")
-            g.output(split_heads(g, t, ctx), f"cross_{kind}_{i}", None, ["batch", H, "sequence", D])
+            g.output(split_heads(g, t, ctx), name, None, ["batch", H, "sequence", D])
 
 
 def _decoder_step_inputs(g: GraphBuilder, L: int, H: int, D: int) -> tuple[str, str, str, str]:
     """The decoder step's inputs (see `build_pegasus_decoder`): returns input_ids, position_ids
     (B, T), self_mask (B, P+T), encoder_mask (B, Se); declares past_* and cross_* per layer."""
-    ids = g.input("input_ids", TensorProto.INT64, ["batch", "new"])
-    pos_ids = g.input("position_ids", TensorProto.INT64, ["batch", "new"])
-    self_mask = g.input("self_mask", TensorProto.INT64, ["batch", "total"])
-    enc_mask = g.input("encoder_mask", TensorProto.INT64, ["batch", "source"])
-    for i in range(L):
-        g.input(f"past_key_{i}", g.float_type, ["batch", H, "past", D])
-        g.input(f"past_value_{i}", g.float_type, ["batch", H, "past", D])
-    for i in range(L):
-        g.input(f"cross_key_{i}", g.float_type, ["batch", H, "source", D])
-        g.input(f"cross_value_{i}", g.float_type, ["batch", H, "source", D])
+    io = DecoderGraph(L)  # the names the runtime binds by
+    ids, pos_ids, self_mask = (g.input(name, TensorProto.INT64, ["batch", dim])
+                               for name, dim in zip(io.STEP_INPUTS, ("new", "new", "total")))
+    enc_mask = g.input(io.ENCODER_MASK, TensorProto.INT64, ["batch", "source"])
+    for name in io.past:
+        g.input(name, g.float_type, ["batch", H, "past", D])
+    for name in io.cross:
+        g.input(name, g.float_type, ["batch", H, "source", D])
     return ids, pos_ids, self_mask, enc_mask
 
 
@@ -357,10 +393,11 @@ def _cached_self_attention(g: GraphBuilder, i: int, q: str, k: str, v: str, self
     """Layer i's self-attention over past_key_i/past_value_i + the new k, v (each (B, H, T, D),
     q too); outputs present_key_i/present_value_i (B, H, P+T, D). Returns (B, T, E)."""
     H, D = ctx.num_heads, ctx.head_dim
-    k = g.op("Concat", [f"past_key_{i}", k], axis=2)  # (B, H, P+T, D)
-    v = g.op("Concat", [f"past_value_{i}", v], axis=2)
-    g.output(k, f"present_key_{i}", None, ["batch", H, "total", D])
-    g.output(v, f"present_value_{i}", None, ["batch", H, "total", D])
+    (past_k, past_v), (present_k, present_v) = DecoderGraph.layer("past", i), DecoderGraph.layer("present", i)
+    k = g.op("Concat", [past_k, k], axis=2)  # (B, H, P+T, D)
+    v = g.op("Concat", [past_v, v], axis=2)
+    g.output(k, present_k, None, ["batch", H, "total", D])
+    g.output(v, present_v, None, ["batch", H, "total", D])
     return merge_heads(g, dense_attention(g, q, k, v, self_bias, D ** -0.5), ctx)
 
 
@@ -418,7 +455,7 @@ def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_no
         h = pre(x, lp + "encoder_attn_layer_norm", "ln2")
         q = split_heads(g, g.linear(h, w[lp + "encoder_attn.q_proj.weight"], w.get(lp + "encoder_attn.q_proj.bias"),
                                     "cross_q"), ctx)
-        a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, scale), ctx)
+        a = merge_heads(g, dense_attention(g, q, *DecoderGraph.layer("cross", i), enc_bias, scale), ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "encoder_attn.out_proj.weight"],
                                      w.get(lp + "encoder_attn.out_proj.bias"), "cross_out")])
         x = post(x, lp + "encoder_attn_layer_norm", "ln2")
@@ -431,7 +468,8 @@ def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_no
         x = norm(x, p + "layernorm_embedding", "final_ln")
     lm = w.first("lm_head.weight", prefix + "shared.weight")
     bias = w["final_logits_bias"].reshape(-1) if "final_logits_bias" in w else None
-    g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
+    g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), DecoderGraph.LOGITS, TensorProto.FLOAT,
+             ["batch", "new", "vocab"])
     return g.model(doc)
 
 
@@ -495,7 +533,8 @@ def build_led_decoder(w: Weights, config: dict, dtype: str):
 
 # --- BigBird-RoBERTa encoder-decoder (BERT2BERT, longdoc.model.encoder_decoder) ------------
 
-def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off"):
+def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_attention: str = "off",
+                      sparse_gather: str = "gather"):
     """The `encoder-decoder` config's BigBird encoder: input_ids, attention_mask (B, S) [+ layout
     inputs] -> last_hidden_state (B, S, E) and per decoder layer l cross_key_l / cross_value_l
     (B, H, S, D), as `build_pegasus_encoder` (token types are 0, transformers' default)."""
@@ -506,7 +545,7 @@ def build_b2b_encoder(w: Weights, config: dict, dtype: str, sparse: bool, int8_a
     if sparse:
         declare_layout_inputs(g)
     x = _bert_embeddings(g, w, enc, "encoder.", ids, None, _positions(g, ids))
-    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention)
+    x = _bigbird_stack(g, w, enc, "encoder.", x, mask, sparse, int8_attention, sparse_gather)
     g.scope = "cross/"
     g.output(x, "last_hidden_state", None, ["batch", "sequence", enc["hidden_size"]])
     lp = "decoder.bert.encoder.layer.{}.crossattention.self."
@@ -544,7 +583,7 @@ def build_b2b_decoder(w: Weights, config: dict, dtype: str):
                             eps, "self_out")
         q = split_heads(g, g.linear(x, w[f"{lp}crossattention.self.query.weight"],
                                     w[f"{lp}crossattention.self.query.bias"], "cross_q"), ctx)
-        a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, D ** -0.5), ctx)
+        a = merge_heads(g, dense_attention(g, q, *DecoderGraph.layer("cross", i), enc_bias, D ** -0.5), ctx)
         x = _post_ln_output(g, w, f"{lp}crossattention.output.", a, x, eps, "cross_out")
         f = g.activation(g.linear(x, w[f"{lp}intermediate.dense.weight"], w[f"{lp}intermediate.dense.bias"], "fc1"), act)
         x = _post_ln_output(g, w, f"{lp}output.", f, x, eps, "fc2")
@@ -557,7 +596,8 @@ def build_b2b_decoder(w: Weights, config: dict, dtype: str):
         bias = w.first(hp + "bias", hp + "decoder.bias")
     else:  # untied, transformers' logits use the decoder Linear's own weight and bias
         weight, bias = w[hp + "decoder.weight"], w[hp + "decoder.bias"]
-    g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
+    g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), DecoderGraph.LOGITS, TensorProto.FLOAT,
+             ["batch", "new", "vocab"])
     return g.model("BigBird-RoBERTa (BERT2BERT) decoder step with KV cache")
 
 
@@ -591,10 +631,12 @@ def _apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, H: int, D: int) -
     return g.op("Reshape", [y, g.const([0, 0, H * D])])
 
 
-def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str, int8_attention: str = "off"):
+def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str, int8_attention: str = "off",
+                             pooling: str = "mean"):
     """input_ids, attention_mask (B, S) int64 (S a multiple of local_attention / 2) + the band table
     (layout_key_blocks, layout_valid; when a layer slides) -> start_logits/end_logits (B, S) |
-    logits (B, num_labels) | logits (B, S, V).
+    logits (B, num_labels) | logits (B, S, V) | embedding (B, E) (`pool_tokens` of the final norm's
+    output, transformers' ModernBertModel's last_hidden_state).
 
     transformers' ModernBertFor* in eval mode: token embeddings -> norm; per layer (pre-LN, layer 0
     without attn_norm) rotary q/k (the layer type's base), attention, Wo, residual; GeGLU MLP,
@@ -624,7 +666,7 @@ def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str, in
         bias = w.get(name + ".bias")
         return g.linear(x, w[name + ".weight"][rows], None if bias is None else bias[rows], scope_name)
 
-    p = "model."
+    p = encoder_prefix(w, "model.", "embeddings.tok_embeddings.weight")
     x = norm(_embedding(g, w[p + "embeddings.tok_embeddings.weight"], ids, "tok_embeddings"), p + "embeddings.norm",
              "emb_norm")
     ctx = replace(attention_context(g, mask, bs, H, D, sparse=True), layout_global_rows=False)
@@ -661,21 +703,17 @@ def build_modernbert_encoder(w: Weights, config: dict, task: str, dtype: str, in
         g.output(g.op("Squeeze", [start, g.const([2])]), "start_logits", TensorProto.FLOAT, ["batch", "sequence"])
         g.output(g.op("Squeeze", [end, g.const([2])]), "end_logits", TensorProto.FLOAT, ["batch", "sequence"])
     elif task == "classify":
-        if config.get("classifier_pooling", "cls") == "mean":  # over the real tokens, summed in fp32
-            real = g.op("Unsqueeze", [g.op("Cast", [mask], to=TensorProto.FLOAT), g.const([2])])  # (B, S, 1)
-            total = g.op("ReduceSum", [g.op("Mul", [g.to_fp32(x), real]), g.const([1])], keepdims=0)  # (B, E)
-            pooled = g.op("Div", [total, g.op("ReduceSum", [real, g.const([1])], keepdims=0)])  # / (B, 1)
-            pooled = pooled if g.dtype == "fp32" else g.to_float(pooled)
-        else:
-            pooled = g.op("Gather", [x, g.const(0)], axis=1)  # (B, E)
+        pooled = pool_tokens(g, x, mask, config.get("classifier_pooling", "cls"))  # (B, E)
         logits = linear(head(pooled), "classifier", "classifier")
         g.output(g.to_fp32(logits), "logits", TensorProto.FLOAT, ["batch", "labels"])
     elif task == "mlm":
         decoder = w.first("decoder.weight", p + "embeddings.tok_embeddings.weight")
         g.output(g.to_fp32(g.linear(head(x), decoder, w.get("decoder.bias"), "decoder")), "logits", TensorProto.FLOAT,
                  ["batch", "sequence", "vocab"])
+    elif task == "embed":
+        g.output(g.to_fp32(pool_tokens(g, x, mask, pooling)), "embedding", TensorProto.FLOAT, ["batch", E])
     else:
-        raise ValueError(f"task {task!r}: a ModernBERT exports as qa, classify or mlm")
+        raise ValueError(f"task {task!r}: a ModernBERT exports as qa, classify, mlm or embed")
     kinds = ["band" if spec.band else "dense" for spec in specs]
     return g.model(f"ModernBERT {task} encoder, layers {kinds}, band {bs} tokens each side")
 

@@ -27,22 +27,31 @@ INT8_ATTENTION = ("off", "dynamic", "dynamic-s8", "per-row", "static-p")
 # int8 exports: one scale per weight matrix, or one per output column (onnxruntime's
 # quantize_dynamic per_channel); "per-tensor" in manifests written before the choice existed
 INT8_WEIGHTS = ("per-tensor", "per-channel")
+# how the block-sparse attention gathers its key/value blocks (`longdoc export --sparse-gather`,
+# export/sparse_attention.py): one Gather per head group (the default), one for all heads at once,
+# a product with a one-hot table, or the window's blocks as slices of a shifted copy (then the
+# layout tables fed hold only the other blocks: export/layout_feed.py `without_window`)
+SPARSE_GATHER = ("gather", "all-heads", "onehot", "window")
 # the names of the encoder outputs per task (what OnnxModel.run_encoder returns)
 TASK_OUTPUTS = {
     "qa": ("start_logits", "end_logits"),
     "classify": ("logits",),
     "mlm": ("logits",),
     "summarize": ("last_hidden_state",),
+    "embed": ("embedding",),
 }
+# task "embed": sentence-transformers' Pooling modes the export computes in the graph
+EMBEDDING_POOLING = ("mean", "cls")
 
 
 # the special-token ids each task's runtime uses (the windows' [CLS]/[SEP], padding, decoding)
 REQUIRED_SPECIAL_TOKENS = {"qa": ("pad", "cls", "sep"), "classify": ("pad", "cls", "sep"), "mlm": ("pad",),
-                           "summarize": ("pad", "eos", "decoder_start")}
+                           "summarize": ("pad", "eos", "decoder_start"), "embed": ("pad", "cls", "sep")}
 # the outputs with one row per token, (B, S, ...), per task: the runtime strips padding from them and
 # the batcher cuts them to each sequence's own length (the others are (B, ...) per sequence)
 PER_TOKEN_OUTPUTS = {"qa": frozenset({"start_logits", "end_logits"}), "classify": frozenset(),
-                     "mlm": frozenset({"logits"}), "summarize": frozenset({"last_hidden_state"})}
+                     "mlm": frozenset({"logits"}), "summarize": frozenset({"last_hidden_state"}),
+                     "embed": frozenset()}
 
 
 class ManifestError(ValueError):
@@ -81,11 +90,17 @@ class Manifest:
     int8_attention: str = "off"
     # int8 exports: the dense layers' weight scales (INT8_WEIGHTS)
     int8_weights: str = "per-tensor"
+    # the block-sparse attention's key/value gathers (SPARSE_GATHER)
+    sparse_gather: str = "gather"
     # summarize: the encoder input's template (longdoc.model.tokenization.SUMMARIZE_INPUTS)
     summarize_input: str = "doc-eos"
     # one AttentionSpec dict per encoder layer when the layers' attention differs (a Longformer's
     # per-layer attention_window); None: every layer's is `attention`. See `layer_attention_specs`.
     layer_attention: list[dict[str, Any]] | None = None
+    # task "embed": {"pooling": EMBEDDING_POOLING (computed in the graph), "normalize": bool (the
+    # service scales each text's vector to unit length)}, read from the checkpoint's
+    # sentence-transformers modules (longdoc.export.sentence_transformers); None for other tasks
+    embedding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -183,6 +198,8 @@ def validate(m: Manifest) -> list[str]:
         problems.append(f"int8_attention {m.int8_attention!r} is not one of {', '.join(INT8_ATTENTION)}")
     elif m.int8_attention != "off" and m.dtype != "int8":
         problems.append(f"int8_attention {m.int8_attention!r} needs dtype 'int8', got {m.dtype!r}")
+    if m.sparse_gather not in SPARSE_GATHER:
+        problems.append(f"sparse_gather {m.sparse_gather!r} is not one of {', '.join(SPARSE_GATHER)}")
     if m.int8_weights not in INT8_WEIGHTS:
         problems.append(f"int8_weights {m.int8_weights!r} is not one of {', '.join(INT8_WEIGHTS)}")
     elif m.int8_weights != "per-tensor" and m.dtype != "int8":
@@ -226,6 +243,14 @@ def validate(m: Manifest) -> list[str]:
         problems.append("labels must be a list of strings or null")
     if m.task == "classify" and not m.labels:
         problems.append("task 'classify' needs labels")
+    if m.task == "embed":
+        e = m.embedding
+        if not (isinstance(e, dict) and e.get("pooling") in EMBEDDING_POOLING
+                and isinstance(e.get("normalize"), bool) and set(e) == {"pooling", "normalize"}):
+            problems.append(f"task 'embed' needs embedding {{\"pooling\": {' or '.join(EMBEDDING_POOLING)}, "
+                            f"\"normalize\": true or false}}, got {e!r}")
+    elif m.embedding is not None:
+        problems.append(f"embedding is for task 'embed', not {m.task!r}")
     needed = REQUIRED_SPECIAL_TOKENS.get(m.task, ())
     missing = [name for name in needed if not isinstance((m.special_tokens or {}).get(name), int)]
     if missing:

@@ -14,7 +14,7 @@ from longdoc.export.lowering import (Weights, build_b2b_decoder, build_b2b_encod
                                      build_led_decoder, build_led_encoder, build_longformer_encoder,
                                      build_modernbert_encoder, build_pegasus_decoder, build_pegasus_encoder)
 from longdoc.model.layout import modernbert_layer_specs
-from longdoc.model.registry import REGISTRY, Architecture
+from longdoc.model.registry import REGISTRY, Architecture, bert_blocks
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class BuildRequest:
     dtype: str  # the graphs' float type: "fp32" | "fp16" (int8 quantizes an fp32 graph afterwards)
     int8_attention: str = "off"  # longdoc.export.manifest.INT8_ATTENTION
     attention: str = "sparse"  # longdoc.export.lowering.LONGFORMER_ATTENTION
+    sparse_gather: str = "gather"  # longdoc.export.manifest.SPARSE_GATHER
     progress: Callable[[str], None] = print
+    pooling: str = "mean"  # task "embed": longdoc.export.lowering.EMBEDDING_POOLING
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class Lowering:
     # None: the int8 attention products are built; else why not (`--int8-attention` is refused)
     no_int8_attention: str | None = None
     full_attention: bool = False  # `--attention full`, a dense benchmark baseline
-    # None: the architecture exports; else why not (`read_config` refuses its checkpoints with it)
-    not_implemented: str | None = None
+    # None: `--sparse-gather` (SPARSE_GATHER) chooses BigBird's block gathers; else why it does not apply
+    no_sparse_gather: str | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -77,7 +79,13 @@ def build_bigbird(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building encoder graph ({config['num_hidden_layers']} layers, {r.dtype})")
     return Graphs({"encoder": build_bigbird_encoder(w, config, r.task, r.dtype, _block_sparse(config),
                                                     sep_token_id=config.get("sep_token_id"),
-                                                    int8_attention=r.int8_attention)})
+                                                    int8_attention=r.int8_attention, pooling=r.pooling,
+                                                    sparse_gather=r.sparse_gather)})
+
+
+def build_bert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
+    """BERT: BigBird's graph with full attention (longdoc.model.bert), no layout inputs."""
+    return build_bigbird(w, bert_blocks(config), r)
 
 
 def build_longformer(w: Weights, config: dict, r: BuildRequest) -> Graphs:
@@ -88,16 +96,11 @@ def build_longformer(w: Weights, config: dict, r: BuildRequest) -> Graphs:
 
 def build_pegasus(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building encoder graph ({config['encoder_layers']} layers, {r.dtype})")
-    graphs = {"encoder": build_pegasus_encoder(w, config, r.dtype, _block_sparse(config), r.int8_attention)}
+    graphs = {"encoder": build_pegasus_encoder(w, config, r.dtype, _block_sparse(config), r.int8_attention,
+                                                  r.sparse_gather)}
     r.progress(f"building decoder graph ({config['decoder_layers']} layers, {r.dtype})")
     graphs["decoder"] = build_pegasus_decoder(w, config, r.dtype)
     return Graphs(graphs, _bart_decoder(config, "max_position_embeddings"))
-
-
-def build_refused(w: Weights, config: dict, r: BuildRequest) -> Graphs:
-    """The build step of an architecture whose export is not written yet (`Lowering.not_implemented`
-    stops it in `read_config` first)."""
-    raise NotImplementedError(LOWERINGS[config["model_type"]].not_implemented)
 
 
 def build_led(w: Weights, config: dict, r: BuildRequest) -> Graphs:
@@ -113,13 +116,13 @@ def build_modernbert(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     r.progress(f"building ModernBERT encoder graph ({len(kinds)} layers: {kinds.count('band')} band, "
                f"{kinds.count('dense')} dense; {r.dtype}" + (f"; int8 attention {r.int8_attention} in the dense "
                                                             "layers" if r.int8_attention != "off" else "") + ")")
-    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype, r.int8_attention)})
+    return Graphs({"encoder": build_modernbert_encoder(w, config, r.task, r.dtype, r.int8_attention, r.pooling)})
 
 
 def build_b2b(w: Weights, config: dict, r: BuildRequest) -> Graphs:
     enc, dec = config["encoder"], config["decoder"]
     r.progress(f"building encoder graph ({enc['num_hidden_layers']} layers, {r.dtype})")
-    graphs = {"encoder": build_b2b_encoder(w, config, r.dtype, _block_sparse(enc), r.int8_attention)}
+    graphs = {"encoder": build_b2b_encoder(w, config, r.dtype, _block_sparse(enc), r.int8_attention, r.sparse_gather)}
     r.progress(f"building decoder graph ({dec['num_hidden_layers']} layers, {r.dtype})")
     graphs["decoder"] = build_b2b_decoder(w, config, r.dtype)
     return Graphs(graphs, _seq2seq_decoder(dec["num_hidden_layers"], dec["num_attention_heads"], dec["hidden_size"],
@@ -131,9 +134,14 @@ _WINDOW_FP32 = "Longformer's band and global tokens run in fp32"
 
 register_lowering("big_bird", build_bigbird, unused=("bert.pooler.weight", "bert.pooler.bias",
                                                      "bert.embeddings.position_ids"))
+# `--sparse-gather` chooses how BigBird's windows gather their blocks; a band reads its own
+_BAND_GATHER = "its band's blocks are gathered with a token-level mask (--sparse-gather is for BigBird's windows)"
 register_lowering("longformer", build_longformer, unused=("longformer.embeddings.position_ids",),
-                  no_int8_attention=_WINDOW_FP32, full_attention=True)
+                  no_int8_attention=_WINDOW_FP32, full_attention=True, no_sparse_gather=_BAND_GATHER)
 register_lowering("bigbird_pegasus", build_pegasus)
-register_lowering("led", build_led, no_int8_attention=_WINDOW_FP32)
+register_lowering("led", build_led, no_int8_attention=_WINDOW_FP32, no_sparse_gather=_BAND_GATHER)
 register_lowering("encoder-decoder", build_b2b, unused=("encoder.pooler.weight", "encoder.pooler.bias"))
-register_lowering("modernbert", build_modernbert)  # --int8-attention: its dense layers (the band stays fp32)
+register_lowering("bert", build_bert, unused=("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"),
+                  no_sparse_gather="attends fully (no block tables to gather by)")
+register_lowering("modernbert", build_modernbert,  # --int8-attention: its dense layers (the band stays fp32)
+                  no_sparse_gather=_BAND_GATHER)

@@ -19,6 +19,11 @@ For a padded length S = nb * block_size (paper App. D, Fig. 6):
 Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
 table: K = nb, every row lists every key block, which is exact full attention.
 
+How the sparse rows' blocks are gathered is an export choice (`longdoc export --sparse-gather`,
+SPARSE_GATHER; `_block_tensors`): one Gather per head group (the default) or for all heads, a
+product with a one-hot table, or the window's blocks as slices of a shifted copy with only the
+table's other blocks gathered (the runtime then feeds the table without the window). All exact.
+
 Longformer (Beltagy et al. 2020, Sec. 3.1; the PyTorch side is longdoc.model.attention) adds two
 things to the same sparse rows, and takes no `global_blocks` / `block_source` inputs:
 
@@ -62,7 +67,7 @@ import numpy as np
 from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
-from longdoc.export.manifest import INT8_ATTENTION
+from longdoc.export.manifest import INT8_ATTENTION, SPARSE_GATHER
 from longdoc.export.quantization import per_row_uint8, quantize
 
 HEADS_PER_GROUP = 4  # block-sparse attention runs over groups of this many heads, one after another
@@ -89,6 +94,8 @@ class AttentionContext:
     global_tokens: GlobalTokenInputs | None = None  # per-request global tokens (Longformer)
     layout_global_rows: bool = True  # the layout's global query blocks (`global_blocks` input)
     int8: str = "off"  # one of INT8_ATTENTION
+    gather: str = "gather"  # one of SPARSE_GATHER: how BigBird's windows gather their key/value blocks
+    window_blocks: int = 3  # gather "window": the window read from slices (the layout spec's window_blocks)
 
     def head_groups(self) -> list[tuple[int, int]]:
         """[start, stop) head ranges, computed one after another (the last may be shorter)."""
@@ -166,22 +173,30 @@ def for_layer(ctx: AttentionContext, spec) -> AttentionContext:
 
 def attention_context(g: GraphBuilder, attention_mask: str, block_size: int, num_heads: int,
                       head_dim: int, sparse: bool, heads_per_group: int | None = None,
-                      int8: str = "off") -> AttentionContext:
-    """heads_per_group: None = HEADS_PER_GROUP, 0 = all heads in one group; int8: INT8_ATTENTION."""
+                      int8: str = "off", gather: str = "gather", window_blocks: int = 3) -> AttentionContext:
+    """heads_per_group: None = HEADS_PER_GROUP (gather "all-heads": 0), 0 = all heads in one group;
+    int8: INT8_ATTENTION; gather: SPARSE_GATHER (not with int8 attention: `_block_tensors`)."""
     if int8 not in INT8_ATTENTION:
         raise ValueError(f"int8 attention {int8!r} is not one of {', '.join(INT8_ATTENTION)}")
+    if gather not in SPARSE_GATHER:
+        raise ValueError(f"sparse gather {gather!r} is not one of {', '.join(SPARSE_GATHER)}")
+    if gather in ("onehot", "window") and int8 != "off":
+        raise ValueError(f"sparse gather {gather!r} is built for float products (int8 attention {int8!r})")
+    if heads_per_group is None and gather == "all-heads":
+        heads_per_group = 0
     m = g.to_float(attention_mask)  # (B, S) 1.0 = real token
     bias = g.op("Mul", [g.op("Sub", [g.fconst(1.0), m]), g.fconst(NEG_INF)])
     key_bias = g.op("Unsqueeze", [bias, g.const([1, 2])])  # (B, 1, 1, S)
     per_group = HEADS_PER_GROUP if heads_per_group is None else heads_per_group
     per_group = min(per_group, num_heads) if per_group > 0 else 0
     if not sparse:
-        return AttentionContext(block_size, num_heads, head_dim, key_bias, None, None, False, per_group, int8=int8)
+        return AttentionContext(block_size, num_heads, head_dim, key_bias, None, None, False, per_group, int8=int8,
+                                gather=gather, window_blocks=window_blocks)
     key_mask_blocks = g.op("Reshape", [m, g.const([0, -1, block_size])])  # (B, nb, bs)
     nb = g.op("Gather", [g.op("Shape", [key_mask_blocks]), g.const(1)], axis=0)  # scalar
     head_offset = g.op("Mul", [g.const(np.arange(num_heads).reshape(num_heads, 1, 1)), nb])  # (H,1,1)
     return AttentionContext(block_size, num_heads, head_dim, key_bias, key_mask_blocks, head_offset, True,
-                            per_group, int8=int8)
+                            per_group, int8=int8, gather=gather, window_blocks=window_blocks)
 
 
 def split_heads(g: GraphBuilder, x: str, ctx: AttentionContext) -> str:
@@ -225,7 +240,7 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
     fold_key_bias (bias a key bias (B, 1, 1, S), float products): the bias rides in the product
     as one more column, q' = [q * scale, 1] and k' = [k, bias], so q' k'^T = q k^T * scale + bias
     without an Add over the (B, H, T, S) scores: at 8192 tokens that Add was a quarter of a
-    ModernBERT full layer's attention time (docs/modernbert.md). For an encoder's own queries
+    ModernBERT full layer's attention time (docs/notes/modernbert.md). For an encoder's own queries
     (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add.
 
     query_chunks (bias a key bias (B, 1, 1, S)): the queries run in up to this many chunks of rows
@@ -333,7 +348,7 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
     """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here.
     global_qkv (with ctx.global_tokens): the global tokens' own rows' projections, q (B, G, H*D) at
     the G slots of `ctx.global_tokens.index`, k, v (B, S, H*D). Its nodes are named
-    `<layer scope>attn/...` (bench/profile_ops.py tells attention from dense layers by it)."""
+    `<layer scope>attn/...` (an ONNX Runtime profile tells attention from dense layers by it)."""
     outer = g.scope
     g.scope = f"{outer}attn/"
     try:
@@ -435,25 +450,15 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
     if ctx.int8 != "off":  # once per group, before any block is gathered (queries: at their products)
         k, v = quantize_right(g, k, ctx.int8), quantize_right(g, v, ctx.int8)
     qb = g.op("Reshape", [q, g.const([0, 0, -1, bs, Dk])])  # (B, h, nb, bs, Dk)
-    k_flat = _map(g, k, "Reshape", [g.const([0, -1, bs, Dk])])  # (B, h*nb, bs, Dk)
-    v_flat = _map(g, v, "Reshape", [g.const([0, -1, bs, D])])  # (B, h*nb, bs, D)
-    flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
-    key_ids = flat_blocks
-    if fold:  # padding slots -> block h*nb: zero keys, bias NEG_INF (values: any block, its probability is 0)
-        masked = np.zeros((1, 1, bs, Dk), np.float32)
-        masked[..., -1] = NEG_INF
-        n_blocks = g.op("Shape", [k_flat], start=1, end=2)  # (1,) h*nb
-        masked = g.op("Expand", [g.fconst(masked), g.op("Concat", [g.op("Shape", [k_flat], end=1),
-                                                                     g.const([1, bs, Dk])], axis=0)])
-        k_flat = g.op("Concat", [k_flat, masked], axis=1)  # (B, h*nb + 1, bs, Dk)
-        key_ids = g.op("Where", [valid, flat_blocks, g.op("Squeeze", [n_blocks, g.const([0])])])
+    if ctx.gather in ("onehot", "window") and not fold:
+        raise ValueError(f"sparse gather {ctx.gather!r} is built for BigBird's windows (no band, no global "
+                         "tokens, float products)")
 
-    # sparse rows: gathered keys/values, one batched MatMul per side
-    # (node order matters for peak memory: the gathered values are made only after the softmax,
-    # so the gathered keys, the scores and the gathered values are never all alive at once)
-    kg = _map(g, k_flat, "Gather", [key_ids], axis=1)  # (B, h, nb, K, bs, Dk)
-    kg = _map(g, kg, "Reshape", [g.const([0, 0, 0, -1, Dk])])  # (B, h, nb, K*bs, Dk)
-    scores = matmul(g, qb, transpose_right(g, kg, [0, 1, 2, 4, 3]))  # (B, h, nb, bs, K*bs)
+    # sparse rows: the key/value blocks of each row, one batched MatMul per side
+    # (node order matters for peak memory: the values' blocks are made only after the softmax,
+    # so the keys' blocks, the scores and the values' blocks are never all alive at once)
+    kg = _block_tensors(g, k, key_blocks, valid, head_offset, ctx, Dk, fold)  # (B, h, nb, K'*bs, Dk)
+    scores = matmul(g, qb, transpose_right(g, kg, [0, 1, 2, 4, 3]))  # (B, h, nb, bs, K'*bs)
 
     if not fold:
         scores = g.op("Add", [scores, _window_bias(g, key_blocks, valid, ctx) if bias is None else bias])
@@ -467,8 +472,7 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
         slot_probs = g.op("Slice", [probs, g.const([0]), G, g.const([-1])])  # (B, h, nb, bs, G)
         probs = g.op("Slice", [probs, G, g.const([2 ** 62]), g.const([-1])])  # (B, h, nb, bs, K*bs)
     probs = quantize_probs(g, probs, ctx.int8)
-    vg = _map(g, v_flat, "Gather", [flat_blocks], axis=1)  # (B, h, nb, K, bs, D)
-    vg = _map(g, vg, "Reshape", [g.const([0, 0, 0, -1, D])])  # (B, h, nb, K*bs, D)
+    vg = _block_tensors(g, v, key_blocks, valid, head_offset, ctx, D, False)  # (B, h, nb, K'*bs, D)
     sparse_out = matmul(g, probs, vg)  # (B, h, nb, bs, D)
     if slots is not None:
         sparse_out = g.op("Add", [sparse_out, g.op("MatMul", [slot_probs, v_slots])])
@@ -486,6 +490,67 @@ def _head_group_attention(g: GraphBuilder, q: str, k: str, v: str, key_blocks: s
 
     both = g.op("Concat", [sparse_out, global_out], axis=2)  # (B, h, nb+G, bs, D)
     return g.op("Gather", [both, "block_source"], axis=2)  # (B, h, nb, bs, D)
+
+
+def _block_tensors(g: GraphBuilder, x, key_blocks: str, valid: str, head_offset: str, ctx: AttentionContext,
+                   width: int, keys: bool) -> str:
+    """Each sparse row's key (or value) blocks, side by side: x (B, h, S, width) -> (B, h, nb, K'*bs,
+    width), for a table key_blocks, valid (h, nb, K). keys (the fold: x's last feature is the key
+    bias): a padding slot reads a block of zero keys whose bias is NEG_INF, appended after the real
+    ones; a value's padding slot reads any block (its probability is 0), or zeros.
+
+    ctx.gather (SPARSE_GATHER), each exact (verify):
+      gather, all-heads  one Gather of (B, h*nb, bs, width) by the flat block ids (K' = K);
+      onehot   a product with a one-hot table of the ids (h, nb*K, nb+1) by (B, h, nb+1, bs*width): a
+               GEMM that copies, every output one product by 1 plus products by 0 (K' = K);
+      window   the window's W blocks (i - W//2 .. i + W//2) as W slices of a copy shifted by padding
+               blocks (zero keys under NEG_INF outside the sequence), then the table's other blocks
+               by one Gather: the table holds only those (layout_feed.without_window; K' = W + K)."""
+    bs = ctx.block_size
+    if ctx.gather == "onehot":
+        blocks = g.op("Reshape", [x, g.const([0, 0, -1, bs * width])])  # (B, h, nb, bs*width)
+        nb = g.op("Shape", [blocks], start=2, end=3)  # (1,)
+        extra = _padding_blocks(g, blocks, 1, (bs * width,), keys, width)  # (B, h, 1, bs*width)
+        blocks = g.op("Concat", [blocks, extra], axis=2)  # (B, h, nb+1, bs*width)
+        ids = g.op("Where", [valid, key_blocks, g.op("Squeeze", [nb, g.const([0])])])  # (h, nb, K) in [0, nb]
+        columns = g.op("Range", [g.const(0), g.op("Squeeze", [g.op("Add", [nb, g.const([1])]), g.const([0])]),
+                                 g.const(1)])  # (nb+1,)
+        onehot = g.to_float(g.op("Equal", [g.op("Unsqueeze", [ids, g.const([3])]), columns]))  # (h, nb, K, nb+1)
+        onehot = g.op("Reshape", [onehot, g.op("Concat", [g.op("Shape", [onehot], end=1), g.const([-1]),
+                                                          g.op("Shape", [onehot], start=3)], axis=0)])
+        picked = g.op("MatMul", [onehot, blocks])  # (B, h, nb*K, bs*width)
+        return g.op("Reshape", [picked, g.op("Concat", [g.op("Shape", [blocks], end=2), nb, g.const([-1, width])],
+                                             axis=0)])  # (B, h, nb, K*bs, width)
+    flat = _map(g, x, "Reshape", [g.const([0, -1, bs, width])])  # (B, h*nb, bs, width); int8: quantized
+    flat_blocks = g.op("Add", [key_blocks, head_offset])  # (h, nb, K) ids into h*nb
+    ids = flat_blocks
+    if keys:  # padding slots -> block h*nb
+        n_blocks = g.op("Shape", [flat], start=1, end=2)  # (1,) h*nb
+        flat = g.op("Concat", [flat, _padding_blocks(g, flat, 1, (bs, width), True, width)], axis=1)
+        ids = g.op("Where", [valid, flat_blocks, g.op("Squeeze", [n_blocks, g.const([0])])])
+    gathered = _map(g, flat, "Gather", [ids], axis=1)  # (B, h, nb, K, bs, width)
+    gathered = _map(g, gathered, "Reshape", [g.const([0, 0, 0, -1, width])])  # (B, h, nb, K*bs, width)
+    if ctx.gather != "window":
+        return gathered
+    half = ctx.window_blocks // 2
+    blocks = g.op("Reshape", [x, g.const([0, 0, -1, bs, width])])  # (B, h, nb, bs, width)
+    nb = g.op("Shape", [blocks], start=2, end=3)  # (1,)
+    pad = _padding_blocks(g, blocks, half, (bs, width), keys, width)  # (B, h, half, bs, width)
+    shifted = g.op("Concat", [pad, blocks, pad], axis=2)  # (B, h, nb + 2 half, bs, width)
+    window = [blocks if d == half else g.op("Slice", [shifted, g.const([d]), g.op("Add", [nb, g.const([d])]),
+                                                        g.const([2])])
+              for d in range(2 * half + 1)]  # each (B, h, nb, bs, width): block i - half + d of row i
+    return g.op("Concat", [*window, gathered], axis=3)  # (B, h, nb, (W + K)*bs, width)
+
+
+def _padding_blocks(g: GraphBuilder, like: str, n: int, tail: tuple[int, ...], keys: bool, width: int) -> str:
+    """n blocks to append on axis len(shape(like)) - len(tail) - 1 of `like` (its leading dims kept):
+    zero keys whose last feature (the key bias) is NEG_INF when `keys`, else zeros."""
+    block = np.zeros(tail, np.float32)  # (bs, width) or (bs*width,)
+    if keys:
+        block.reshape(-1, width)[:, -1] = NEG_INF
+    lead = g.op("Shape", [like], end=-1 - len(tail))  # the dims before the block axis
+    return g.op("Expand", [g.fconst(block), g.op("Concat", [lead, g.const([n, *tail])], axis=0)])
 
 
 def _band_mask(g: GraphBuilder, key_blocks: str, bs: int, band: int) -> str:

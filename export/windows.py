@@ -118,3 +118,39 @@ def pool_logits(window_logits: list[np.ndarray]) -> np.ndarray:
     mean = np.mean(np.stack([np.asarray(x, dtype=np.float64) for x in window_logits]), axis=0)
     z = np.exp(mean - mean.max())
     return z / z.sum()
+
+
+# --- embeddings --------------------------------------------------------------------------------
+
+def embed_windows(doc_ids, max_length: int, cls: int, sep: int, truncate: bool = False) -> list[tuple[int, ...]]:
+    """`[CLS] doc[a:b] [SEP]` windows of at most max_length tokens, side by side (classification's);
+    truncate: the first window only, what a server that truncates at the model's length embeds."""
+    windows = classify_windows(doc_ids, max_length, None, cls, sep)
+    return windows[:1] if truncate else windows
+
+
+def pool_tokens(hidden: np.ndarray, mask: np.ndarray, pooling: str) -> np.ndarray:
+    """sentence-transformers' Pooling of hidden states (B, S, E) over the real tokens of mask (B, S):
+    "mean" or "cls". (B, E) float32. The export computes it in the graph
+    (`longdoc.export.lowering.pool_tokens`); this is its reference, for verify."""
+    if pooling == "cls":
+        return np.asarray(hidden[:, 0], np.float32)
+    real = np.asarray(mask, np.float32)[:, :, None]  # (B, S, 1)
+    return ((hidden * real).sum(axis=1) / np.maximum(real.sum(axis=1), 1e-9)).astype(np.float32)
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    """v scaled to unit length along its last axis (sentence-transformers' Normalize; zero stays zero)."""
+    v = np.asarray(v, np.float32)
+    return v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
+
+
+def pool_window_embeddings(window_vectors: list[np.ndarray], normalize: bool) -> np.ndarray:
+    """A text's vector from its windows' vectors: their mean, every window weighing the same (the
+    last, shorter one too), then unit length when the model normalizes; one window's text gets its
+    window's vector, what sentence-transformers gives it. Chosen by measurement (data/embed_retrieval.py,
+    docs/models.md "The embedding model"): finding a manual page from a sentence deep inside it, this
+    mean ties the mean of the windows' unit vectors and beats weighing windows by their tokens, the
+    elementwise max and the first window alone. (E,) float32."""
+    mean = np.mean(np.stack([np.asarray(v, np.float32) for v in window_vectors]), axis=0)
+    return unit(mean) if normalize else mean

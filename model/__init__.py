@@ -1,6 +1,6 @@
-"""BigBird, BigBird-Pegasus, Longformer and LED models in PyTorch (one block-sparse attention,
-one decoder stack, one greedy / beam search; weight-compatible with the public Hugging Face
-checkpoints) and training code.
+"""BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED and ModernBERT models in PyTorch (one
+block-sparse attention, one decoder stack, one greedy / beam search; weight-compatible with the
+public Hugging Face checkpoints) and training code.
 
 `longdoc.model.layout`, `longdoc.model.lengths`, `longdoc.model.search` (greedy / beam search) and `longdoc.model.tokenization`
 are pure NumPy / tokenizers and importable without torch (the service uses them). Everything

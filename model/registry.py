@@ -22,8 +22,11 @@ from longdoc.model.layout import (AttentionSpec, checkpoint_attention_spec, long
                                  longformer_layer_specs, modernbert_layer_specs)
 from longdoc.model.tokenization import SUMMARIZE_INPUTS
 
-# every task a model can be trained, exported and served for (a record lists its own)
-TASKS = ("qa", "classify", "mlm", "summarize")
+# every task a model can be trained, exported and served for (a record lists its own); "embed":
+# one vector per text, the encoder's last hidden states pooled as sentence-transformers' Pooling does
+TASKS = ("qa", "classify", "mlm", "summarize", "embed")
+# a BERT's padding multiple (its config has no block size; longdoc.model.bert)
+BERT_BLOCK_SIZE = 8
 
 
 def _itself(config: dict) -> dict:
@@ -46,12 +49,23 @@ def _nested_encoder(config: dict) -> dict:
     return config["encoder"]
 
 
+def bert_blocks(config: dict) -> dict:
+    """A BERT config under BigBird's names: full attention, padded to BERT_BLOCK_SIZE (longdoc.model.bert)."""
+    return {"block_size": BERT_BLOCK_SIZE, **config, "attention_type": "original_full"}
+
+
 def block_sparse_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
     """BigBird: whole blocks of the position table; full attention up to (5 + 2r) blocks (its switch)."""
     max_length = (int(enc["max_position_embeddings"]) // block_size) * block_size
     sparse = enc.get("attention_type", "block_sparse") == "block_sparse"
     return (block_size, max_length,
             (5 + 2 * int(enc.get("num_random_blocks", 3))) * block_size if sparse else max_length)
+
+
+def dense_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
+    """BERT: any length up to the position table (rounded down to the padding multiple), full attention."""
+    max_length = int(enc["max_position_embeddings"]) // block_size * block_size
+    return 1, max_length, max_length
 
 
 def roberta_window_lengths(config: dict, enc: dict, block_size: int, attention: str) -> tuple[int, int, int]:
@@ -113,6 +127,10 @@ class Architecture:
     length_bounds: Callable[[dict, dict, int, str], tuple[int, int, int]] = block_sparse_lengths
     global_tokens: Mapping[str, str] = field(default_factory=dict)  # task -> the manifest's (default "none")
     summarize_input: str = "doc-eos"  # longdoc.model.tokenization.SUMMARIZE_INPUTS
+    # task -> the special tokens whose id the model reads from the config (`*_token_id`) where the
+    # export reads its tokenizer's: export refuses, and verify fails, a config that disagrees with
+    # the tokenizer files on one (longdoc.model.tokenization.special_token_mismatches)
+    config_token_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     train_tasks: tuple[str, ...] = ()  # what `longdoc train` trains it for
     dropout: Callable[[dict, float], dict] | None = None  # config with every dropout probability set to p
     # checkpoint keys the model does not use, tolerated: architecture -> regexes
@@ -224,9 +242,10 @@ register(Architecture(
              "BigBirdForPreTraining": "BigBirdForMaskedLM"},
     base_class="BigBirdModel",
     tasks={"qa": "BigBirdForQuestionAnswering", "classify": "BigBirdForSequenceClassification",
-           "mlm": "BigBirdForMaskedLM"},
+           "mlm": "BigBirdForMaskedLM", "embed": "BigBirdModel"},
     other_architectures={"BigBirdForPreTraining": "mlm", "BigBirdModel": None},
     train_tasks=("mlm", "qa", "classify"), dropout=bert_dropout,
+    config_token_ids={"qa": ("sep",)},  # the question ends at the first sep_token_id: its global tokens
     ignored_keys={"BigBirdForPreTraining": (r"^cls\.seq_relationship\.",),
                   "BigBirdForQuestionAnswering": (r"^bert\.pooler\.",)},  # QA has no pooler; some files carry one
 ))
@@ -241,6 +260,8 @@ register(Architecture(
     windowed=True, length_bounds=roberta_window_lengths,
     # the question for QA (transformers' LongformerForQuestionAnswering default), the first token for classification
     global_tokens={"qa": "question", "classify": "first"},
+    # the question (global) ends at sep_token_id; positions count the tokens that are not pad_token_id
+    config_token_ids={"qa": ("sep", "pad"), "classify": ("pad",)},
     # transformers' Longformer heads have no pooler (add_pooling_layer=False); a file may carry one
     ignored_keys={arch: (r"^longformer\.pooler\.",) for arch in (
         "LongformerForQuestionAnswering", "LongformerForSequenceClassification", "LongformerForMaskedLM")},
@@ -252,6 +273,7 @@ register(Architecture(
     base_class="BigBirdPegasusForConditionalGeneration",
     tasks={"summarize": "BigBirdPegasusForConditionalGeneration"},
     encoder_config=_bert_names, train_tasks=("summarize",), dropout=bart_dropout,
+    config_token_ids={"summarize": ("eos",)},  # generation ends at eos_token_id
 ))
 
 register(Architecture(
@@ -263,6 +285,7 @@ register(Architecture(
     # the first token global (allenai's recipe; longdoc.model.led.first_token_global), and that
     # token is bos: its tokenizer reads `<s> document </s>`
     global_tokens={"summarize": "first"}, summarize_input="bos-doc-eos",
+    config_token_ids={"summarize": ("eos",)},
 ))
 
 # transformers' EncoderDecoderModel with a big_bird encoder and a bert decoder (BERT2BERT)
@@ -272,6 +295,7 @@ register(Architecture(
     tasks={"summarize": "EncoderDecoderModel"},
     encoder_config=_nested_encoder, summarize_input="cls-doc-eos",
     train_tasks=("summarize",), dropout=encoder_decoder_dropout,
+    config_token_ids={"summarize": ("eos",)},
 ))
 
 # ModernBERT: alternating sliding-window (band) and full attention layers, one spec per layer
@@ -284,7 +308,16 @@ register(Architecture(
              "ModernBertForQuestionAnswering": "ModernBertForQuestionAnswering"},
     base_class="ModernBertModel",
     tasks={"qa": "ModernBertForQuestionAnswering", "classify": "ModernBertForSequenceClassification",
-           "mlm": "ModernBertForMaskedLM"},
+           "mlm": "ModernBertForMaskedLM", "embed": "ModernBertModel"},
     other_architectures={"ModernBertModel": None},
     layer_specs=modernbert_layer_specs, length_bounds=rotary_lengths,
+))
+
+# BERT (transformers' BertModel, e.g. sentence-transformers' all-MiniLM-L6-v2): BigBird's layers with
+# full attention (longdoc.model.bert); exported for embeddings
+register(Architecture(
+    model_type="bert", module="longdoc.model.bert", config_class="BertConfig",
+    classes={"BertModel": "BertModel"}, base_class="BertModel",
+    tasks={"embed": "BertModel"},
+    encoder_config=bert_blocks, length_bounds=dense_lengths,
 ))

@@ -5,6 +5,8 @@
                                      instead (SLOW_TOKENIZER_FILES; needs transformers, at export)
     special_token_ids(directory)  -> {"pad", "cls", "sep", "mask", "bos", "eos", "decoder_start"}: id or None
                                      (the one table of special tokens: the exporter writes it into the manifest)
+    special_token_mismatches      -> where the config's ids of the tokens a model reads are not its tokenizer's
+    encode_within(tok, text, limit) -> a document's ids and offsets, tokenized only until `limit` is passed
     summarize_window, qa_room     -> the summarize input and the QA window's room for the document
     TokenOffsets(offsets)         -> the tokens a character span covers (answers' characters to tokens)
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -155,14 +158,27 @@ def _config_id(config: dict, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def named_token_ids(directory, tokenizer) -> dict[str, tuple[str, int]]:
+    """The special tokens the tokenizer files name (special_tokens_map.json over
+    tokenizer_config.json) and its vocabulary holds: {"sep": ("[SEP]", 4), ...}."""
+    d = Path(directory)
+    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")}
+    named = {}
+    for name in SPECIAL_TOKENS:
+        text = _token_text(texts.get(f"{name}_token"))
+        token_id = tokenizer.token_to_id(text) if text is not None else None
+        if token_id is not None:
+            named[name] = (text, token_id)
+    return named
+
+
 def special_token_ids(directory=None, tokenizer=None, config: dict | None = None) -> dict[str, int | None]:
     """The one table of special-token ids: pad, cls, sep, mask, bos, eos, decoder_start (None =
     not defined). Resolved in this order: the token texts the tokenizer files name
-    (special_tokens_map.json over tokenizer_config.json, looked up in the vocabulary), the
-    config's `*_token_id` (`config`, else the directory's config.json), then the vocabulary's
-    conventional texts (`VOCABULARY_GUESSES`: BERT configs name no [CLS]). `decoder_start` comes
-    from the config, else pad (Pegasus starts decoding with pad). The exporter writes this table
-    into the manifest; nothing downstream patches it."""
+    (`named_token_ids`), the config's `*_token_id` (`config`, else the directory's config.json),
+    then the vocabulary's conventional texts (`VOCABULARY_GUESSES`: BERT configs name no [CLS]).
+    `decoder_start` comes from the config, else pad (Pegasus starts decoding with pad). The
+    exporter writes this table into the manifest; nothing downstream patches it."""
     d = Path(directory) if directory is not None else None
     if tokenizer is None:
         if d is None:
@@ -170,13 +186,10 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
         tokenizer = load_tokenizer(d)
     if config is None:
         config = _read_json(d / "config.json") if d is not None else {}
-    texts = {**_read_json(d / "tokenizer_config.json"), **_read_json(d / "special_tokens_map.json")} if d else {}
+    named = named_token_ids(d, tokenizer) if d is not None else {}
     ids: dict[str, int | None] = {}
     for name in SPECIAL_TOKENS:
-        text = _token_text(texts.get(f"{name}_token"))
-        token_id = tokenizer.token_to_id(text) if text is not None else None
-        if token_id is None:
-            token_id = _config_id(config, f"{name}_token_id")
+        token_id = named[name][1] if name in named else _config_id(config, f"{name}_token_id")
         for guess in VOCABULARY_GUESSES.get(name, ()) if token_id is None else ():
             token_id = tokenizer.token_to_id(guess)
             if token_id is not None:
@@ -185,6 +198,142 @@ def special_token_ids(directory=None, tokenizer=None, config: dict | None = None
     start = _config_id(config, "decoder_start_token_id")
     ids["decoder_start"] = start if start is not None else ids["pad"]
     return ids
+
+
+def special_token_mismatches(directory, tokenizer, config: dict, reads: tuple[str, ...], family: str) -> list[str]:
+    """Where the config's `*_token_id` of a special token the model reads (`reads`, its registry
+    record's `config_token_ids`: BigBird QA finds the question's end by sep_token_id, a summarizer
+    stops at eos_token_id) is not the id the tokenizer files name for it: the checkpoint (and
+    transformers) would look for one id where the tokenizer writes another, while the export reads
+    the tokenizer's. Each mismatch as a sentence with both ids and the fix; [] when they agree."""
+    named = named_token_ids(directory, tokenizer)
+    out = []
+    for name in reads:
+        configured = _config_id(config, f"{name}_token_id")
+        if name in named and configured is not None and configured != named[name][1]:
+            text, token_id = named[name]
+            out.append(f"config.json's {name}_token_id is {configured}, but the tokenizer's {name} token {text!r} "
+                       f"is {token_id}: {family} reads {name}_token_id from the config (and transformers does), "
+                       f"the export reads the tokenizer's. If the model was trained with this tokenizer, set "
+                       f"\"{name}_token_id\": {token_id} in {Path(directory) / 'config.json'}; if not, give the "
+                       f"checkpoint the tokenizer it was trained with")
+    return out
+
+
+# ---- a document's tokens, counted as they come: an over-limit document costs about its first `limit`
+# Tokenizing is linear in the text, and a 2 MB document costs seconds: `encode_within` tokenizes
+# a long text in chunks and stops once the limit is passed. A chunk ends at a cut (`chunk_cuts`):
+# a space between two ASCII letters or digits ("word word"), and for pre-tokenizers that split at
+# every space and punctuation mark (BERT's, `Whitespace`) also where a word meets ASCII punctuation
+# ("word," ",word"), outside the special tokens' texts ("[SEP]"). For the tokenizer pieces it
+# accepts (normalizers that map characters one by one, pre-tokenizers that split at the cut, added
+# tokens that hold no space), no token spans a cut and each side tokenizes alone as it does within
+# the whole, so the chunks' tokens, their offsets moved by the chunk's start, are the whole text's
+# (tests/model/test_encode_within.py checks this against one encode on the shipped tokenizers and
+# on byte-level BPE and SentencePiece ones). Other tokenizers get one encode, as a text without a
+# cut does for its part past the last one (e.g. 2 MB of CJK characters or of "a,a,a," on a
+# byte-level BPE).
+_SPACE_CUT = re.compile(r"(?<=[0-9A-Za-z]) (?=[0-9A-Za-z])")
+_PUNCT = r"!-/:-@\[-`{-~"
+_WORD_CUT = re.compile(rf"(?<=[0-9A-Za-z])(?=[ {_PUNCT}])|(?<=[{_PUNCT}])(?=[ 0-9A-Za-z])")
+_WORD_SPLITTING = {"BertPreTokenizer", "Whitespace"}  # each space dropped, punctuation apart from words
+_CHUNK_SAFE_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "StripAccents",
+                           "Precompiled"}
+_CHUNK_SAFE_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
+
+
+def _chunk_safe_piece(piece: dict | None, safe: set[str]) -> bool:
+    if piece is None:
+        return True
+    kind = piece.get("type")
+    if kind == "Sequence":
+        return all(_chunk_safe_piece(p, safe) for p in piece.get("normalizers", piece.get("pretokenizers", [])))
+    if kind == "Replace":  # of a string with no space, or of runs of 2 or more spaces (SentencePiece's)
+        pattern, text = piece.get("pattern", {}), piece.get("pattern", {}).get("String")
+        return pattern.get("Regex") == " {2,}" or (text is not None and (" " not in text or text.strip(" ") == ""
+                                                                         and len(text) >= 2))
+    if kind == "Metaspace":  # split at each space; a chunk starting with one gets no second
+        return piece.get("split", True)
+    if kind == "ByteLevel":  # GPT-2's regex: " word" is a piece of its own
+        return piece.get("use_regex", True)
+    return kind in safe
+
+
+@dataclass(frozen=True)
+class ChunkCuts:
+    """Where `encode_within` may cut a text for a tokenizer: `pattern` finds the cuts; none may
+    fall inside an occurrence of one of `keep` (the added tokens' texts that a cut could split)."""
+
+    pattern: re.Pattern
+    keep: tuple[str, ...] = ()
+
+    def last(self, text: str, lo: int, hi: int) -> int | None:
+        """The last cut in [lo, hi), looked for near hi first."""
+        for start in (max(lo, hi - 1024), lo):
+            for m in reversed(list(self.pattern.finditer(text, start, hi))):
+                if self.allowed(text, m.start()):
+                    return m.start()
+            if start == lo:
+                return None
+        return None
+
+    def first(self, text: str, pos: int) -> int:
+        """The first cut at or after pos, else the text's end."""
+        while (m := self.pattern.search(text, pos)) is not None:
+            if self.allowed(text, m.start()):
+                return m.start()
+            pos = m.start() + 1
+        return len(text)
+
+    def allowed(self, text: str, i: int) -> bool:
+        return i > 0 and not any(text.find(k, max(0, i - len(k) + 1), i + len(k) - 1) >= 0 for k in self.keep)
+
+
+def chunk_cuts(tokenizer) -> ChunkCuts | None:
+    """Where `encode_within` may cut the tokenizer's texts into chunks (see above); None: nowhere."""
+    import json
+
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return None
+    pieces = {}
+    for name, component, safe in (("normalizer", tokenizer.normalizer, _CHUNK_SAFE_NORMALIZERS),
+                                  ("pre_tokenizer", tokenizer.pre_tokenizer, _CHUNK_SAFE_PRE_TOKENIZERS)):
+        pieces[name] = None if component is None else json.loads(component.__getstate__())
+        if not _chunk_safe_piece(pieces[name], safe):
+            return None
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+    for token in tokenizer.get_added_tokens_decoder().values():
+        text = token.content
+        if any(c.isspace() for c in text) or (token.single_word or token.lstrip or token.rstrip) and \
+                (text[:1].isalnum() or text[-1:].isalnum()):
+            return None
+    if (pieces["pre_tokenizer"] or {}).get("type") in _WORD_SPLITTING:
+        return ChunkCuts(_WORD_CUT, tuple(t for t in added if len(t) > 1 and _WORD_CUT.search(t)))
+    return ChunkCuts(_SPACE_CUT)
+
+
+def encode_within(tokenizer, text: str, limit: int, chunk_chars: int | None = None):
+    """(ids, offsets, read) of `text` without special tokens: as `tokenizer.encode(text)` when it
+    has at most `limit` tokens (`read` is then len(text)); else the tokens of its chunks (see
+    above) up to the one where the limit was passed, which ends at character `read`. `chunk_chars`:
+    the chunks' size (default: 4 characters per token of the limit, at least 4096, at most 65536;
+    a chunk ends at the last cut in its second half, else at the first cut after it). Through
+    `encode_batch`, which releases the GIL while it runs (`encode` holds it)."""
+    chunk = chunk_chars or min(1 << 16, max(4096, 4 * limit))
+    cuts = chunk_cuts(tokenizer) if len(text) > chunk else None
+    if cuts is None:
+        (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
+        return enc.ids, enc.offsets, len(text)
+    ids, offsets, start = [], [], 0
+    while start < len(text) and len(ids) <= limit:
+        end = len(text)
+        if len(text) - start > chunk:
+            end = cuts.last(text, start + chunk // 2, start + chunk) or cuts.first(text, start + chunk)
+        (enc,) = tokenizer.encode_batch([text[start:end]], add_special_tokens=False)
+        ids += enc.ids
+        offsets += enc.offsets if start == 0 else [(a + start, b + start) for a, b in enc.offsets]
+        start = end
+    return ids, offsets, start
 
 
 # ---- a summarizer's encoder input

@@ -18,7 +18,7 @@ Decisions, and why:
   batch would be most of the memory).
 - Precision: "auto" is fp32 on CPU and, on CUDA, bf16 autocast where supported, else fp16 autocast
   with a gradient scaler. "bf16" also runs on CPU (autocast; fast where the CPU has bf16 dot
-  products, e.g. AVX-512 BF16 or AMX: measure with bench/train_precision.py). Master weights and
+  products, e.g. AVX-512 BF16 or AMX: measure before choosing it). Master weights and
   optimizer state stay fp32.
 - A checkpoint is an ordinary Hugging Face model dir (`longdoc.model.save_pretrained`: transformers'
   `from_pretrained` loads it) plus `training_state.pt` (optimizer, scheduler, scaler, step, data
@@ -231,7 +231,7 @@ def freeze_encoder(model: nn.Module) -> int:
     """Stop training an encoder-decoder's encoder (requires_grad off; the optimizer skips it),
     except the tensors it shares with the decoder (Pegasus' tied word table). Why: training the
     MiniLM BERT2BERT's encoder from the first step collapsed it, every token of every page mapped
-    to nearly one vector, and the decoder learned to ignore the page (docs/model-summarize.md).
+    to nearly one vector, and the decoder learned to ignore the page (docs/notes/summarizer-training.md).
     Returns the number of tensors frozen."""
     inner = getattr(model, "model", model)  # Pegasus / LED keep encoder and decoder under .model
     shared = {id(p) for p in inner.decoder.parameters()}

@@ -1,13 +1,14 @@
-"""The FastAPI app: routes -> validation -> tokenization (host pool) -> batcher -> answer shaping
-(host pool) -> response.
+"""The FastAPI app: routes -> validation -> tokenization (host threads) -> engine -> answer
+shaping (host threads) -> response.
 
-`create_app(settings, worker_factory=None)` builds an app whose lifespan loads every model on
-every device (workers), warms each up at the maximum length, starts one batcher task per
-model and the host pool (service/host.py: tokenization, windows and answer shaping in processes
-beside the event loop), and tears all of it down after. The routes never touch a worker.
+`create_app(settings, worker_factory=None, models=None)` builds an app whose lifespan opens its
+models (service/engine.py: by default this process's workers, warmed up at the maximum length,
+with one batcher task per model; a front end's are the engine process's) and the host threads
+(service/host.py: tokenization, windows and answer shaping beside the event loop), and tears all
+of it down after. The routes never touch a worker.
 
 The app is assembled here: middlewares (body limits, access), the OpenAPI patch, the exception
-handlers, and the routers: one module per task (service/tasks/qa.py, classify.py, summarize.py:
+handlers, and the routers: one module per task (service/tasks/qa.py, classify.py, summarize.py, embed.py:
 its route, pre- and post-processing) and the operations routes (service/operations.py). What they
 share, the `Service` and its per-request wrapper `Service.serve`, is in service/core.py.
 """
@@ -28,20 +29,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from longdoc import __version__
 from longdoc.service import operations
 from longdoc.service.access import AccessControl, AccessMiddleware
-from longdoc.service.core import (  # noqa: F401  (Service ... arrived: importable from here, as before)
-    ERROR_RESPONSES, TASKS, MeasuredStream, ServedModel, Service, Timing, WorkerFactory, arrived, error_response,
-    log,
-)
+from longdoc.service.core import Service, error_response, log
+from longdoc.service.engine import LocalModels, ModelSource, WorkerFactory
 from longdoc.service.errors import (
     InvalidRequest, RequestTimeout, ServiceError, TooLarge, Unavailable, UnsupportedMediaType,
 )
 from longdoc.service.settings import Settings
-from longdoc.service.tasks import classify, qa, summarize
+from longdoc.service.tasks import classify, embed, qa, summarize
 from longdoc.service.validation import scan_json_tokens
 from longdoc.service.workers import onnx_worker_factory
 
-_ERRORS = ERROR_RESPONSES  # the task routes' documented errors (tests/service/test_schema.py)
-_JSON_POSTS = ("/v1/qa", "/v1/summarize", "/v1/classify")  # the routes BodyLimitMiddleware guards
+# the task routes (BodyLimitMiddleware guards them) and their metrics' endpoint label: the task, and
+# OpenAI's /v1/embeddings beside TEI's /embed
+ENDPOINTS = {"/v1/qa": "qa", "/v1/summarize": "summarize", "/v1/classify": "classify", "/v1/embeddings": "embeddings",
+             "/embed": "embed"}
+_JSON_POSTS = tuple(ENDPOINTS)
 
 
 def _body_parse_error(cause: BaseException | None) -> InvalidRequest:
@@ -82,7 +84,8 @@ class BodyLimitMiddleware:
             return await error_response(UnsupportedMediaType(
                 f"content type {ctype.decode('latin-1') or 'missing'}: send application/json"))(scope, receive, send)
         length = headers.get(b"content-length")
-        too_large = TooLarge(f"request body over {self.max_bytes} bytes")
+        # max_bytes: max_document_bytes x max_documents, and 64 KiB for the other fields (create_app)
+        too_large = TooLarge(f"request body over {self.max_bytes} bytes", "max_document_bytes", "max_documents")
         busy = Unavailable("too many request bytes in flight; retry later", {"Retry-After": "1"})
         if length is not None and length.isdigit():
             if int(length) > self.max_bytes:
@@ -143,10 +146,11 @@ class BodyLimitMiddleware:
 
 
 def create_app(settings: Settings | None = None, worker_factory: WorkerFactory | None = None,
-               engine: str | None = None) -> FastAPI:
-    """`engine`: a front end's (service/frontends.py), the engine process's socket."""
+               models: ModelSource | None = None) -> FastAPI:
+    """The app; its models are `models`' (a front end's: service/frontends.py `RemoteModels`), by
+    default this process's (`LocalModels`: workers from `worker_factory`, ONNX Runtime's unless given)."""
     settings = settings or Settings()
-    service = Service(settings, worker_factory or onnx_worker_factory, engine=engine)
+    service = Service(settings, models or LocalModels(settings, worker_factory or onnx_worker_factory))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -161,7 +165,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
     # /docs and /redoc load their scripts from this package, not a CDN: a machine without internet
     # access (many clusters) shows them too
     app = FastAPIOffline(title="longdoc", version=__version__, lifespan=lifespan,
-                         description="Question answering, summarization and classification over long documents.")
+                         description="Question answering, summarization, classification and embeddings of long documents.")
     app.state.service = service
     body_limit = settings.max_document_bytes * settings.max_documents + 65536
     # a request's strings and separators: its fields (a dozen keys and values) and documents
@@ -174,18 +178,25 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                     "(set LONGDOC_API_KEYS or LONGDOC_API_KEY_FILE, docs/deploy.md)", settings.host)
 
     def count_failure(path: str, exc: ServiceError) -> None:
-        endpoint = path.rsplit("/", 1)[-1]
-        if endpoint in TASKS:
-            service.metrics.failures.labels(endpoint, exc.reason).inc()
+        if path in ENDPOINTS:
+            service.metrics.failures.labels(ENDPOINTS[path], exc.reason).inc()
 
     # added last, so outermost: a caller without a key gets no further (not even its body read)
     app.add_middleware(AccessMiddleware, access=access, open_paths=settings.open_paths,
                        on_refused=count_failure, error_response=error_response)
+    app.openapi = _openapi_with_limits(app, settings, service, access.enabled)
+    _add_error_handlers(app, count_failure)
+    for router in (qa.router, classify.router, summarize.router, embed.router, operations.router):  # the OpenAPI order
+        app.include_router(router)
+    return app
+
+
+def _openapi_with_limits(app: FastAPI, settings: Settings, service: Service, keyed: bool):
+    """FastAPI's schema plus this server's own limits, so that clients generated from it agree
+    with validation (sizes are in bytes of UTF-8 on the server, characters here)."""
     base_openapi = app.openapi
 
     def openapi() -> dict:
-        """FastAPI's schema plus this server's own limits, so that clients generated from it
-        agree with validation (sizes are in bytes of UTF-8 on the server, characters here)."""
         if app.openapi_schema is None:
             bodies = base_openapi()["components"]["schemas"]
             for name in ("QARequest", "SummarizeRequest", "ClassifyRequest"):
@@ -193,16 +204,28 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 props["documents"]["maxItems"] = settings.max_documents
                 for text in (props["document"], props["documents"]["items"], props.get("question", {})):
                     text["maxLength"] = settings.max_document_bytes
-                for option in props["timeout"]["anyOf"]:
+            for name, field in (("EmbeddingsRequest", "input"), ("EmbedRequest", "inputs")):  # a text or a list
+                for option in bodies[name]["properties"][field]["anyOf"]:
+                    if option.get("type") == "array":
+                        option["maxItems"] = settings.max_documents
+                        option["items"]["maxLength"] = settings.max_document_bytes
+                    else:
+                        option["maxLength"] = settings.max_document_bytes
+            for name in ("QARequest", "SummarizeRequest", "ClassifyRequest", "EmbeddingsRequest", "EmbedRequest"):
+                for option in bodies[name]["properties"]["timeout"]["anyOf"]:
                     if option["type"] == "number":
                         option["maximum"] = settings.max_request_timeout_s
-            if access.enabled:  # every operation but the open paths needs the bearer key
+            if keyed:  # every operation but the open paths needs the bearer key
                 bearer = {"type": "http", "scheme": "bearer"}
                 app.openapi_schema["components"]["securitySchemes"] = {"apiKey": bearer}
                 for path, path_operations in app.openapi_schema["paths"].items():
                     if path not in settings.open_paths:
                         for operation in path_operations.values():
                             operation["security"] = [{"apiKey": []}]
+            dims = sorted({m.info.hidden_size for m in service.models.values() if m.info.task == "embed"})
+            for option in bodies["EmbeddingsRequest"]["properties"]["dimensions"]["anyOf"]:
+                if option["type"] == "integer" and dims:  # a loaded embed model's (vectors are not cut)
+                    option["enum"] = dims
             caps = [m.info.max_new_tokens for m in service.models.values() if m.info.task == "summarize"]
             if caps:  # the largest loaded model's (a model with a smaller cap answers 422 over it)
                 for option in bodies["SummarizeRequest"]["properties"]["max_new_tokens"]["anyOf"]:
@@ -210,7 +233,11 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                         option["maximum"] = min(option["maximum"], max(caps))
         return app.openapi_schema
 
-    app.openapi = openapi
+    return openapi
+
+
+def _add_error_handlers(app: FastAPI, count_failure) -> None:
+    """Every error in the one error shape (service/errors.py), FastAPI's and Starlette's included."""
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):  # raised before Service.serve runs
@@ -231,9 +258,7 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
                 continue
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
             msg = e.get("msg", "invalid")
-            if e.get("type") == "json_invalid":
-                msg = "body is not valid JSON (or not valid UTF-8)"
-            elif e.get("type") == "value_error":  # our validators' own sentences, which name the field
+            if e.get("type") == "value_error":  # our validators' own sentences, which name the field
                 msg = str(e.get("ctx", {}).get("error", msg))
                 where = "" if where == "body" else where
             parts.append(f"{where}: {msg}" if where else msg)
@@ -246,7 +271,3 @@ def create_app(settings: Settings | None = None, worker_factory: WorkerFactory |
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"type": kind, "message": str(exc.detail)}}, exc.status_code,
                             headers=getattr(exc, "headers", None))
-
-    for router in (qa.router, classify.router, summarize.router, operations.router):  # the OpenAPI order
-        app.include_router(router)
-    return app

@@ -17,7 +17,8 @@ workers. While a model has no worker up, its queued and new requests get 503 at 
 `Retry-After` of the next restart attempt, rather than waiting out their deadline.
 
 Admission (`QueueBudget`, service/batching.py) charges a request's whole token cost before
-accepting it; `Retry-After` on 429 is the time for the queue and the request to drain at the measured rate.
+accepting it; `Retry-After` on 429 is the time until a request like it would be admitted, at the
+queue's measured drain rate (`DrainRate.departed`: tokens leaving the queue while it has a backlog).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from longdoc.export.manifest import PER_TOKEN_OUTPUTS
-from longdoc.model.search import SearchSettings, greedy_tokens, is_finished
+from longdoc.model.search import SearchSettings, is_finished, step_constraints
 from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
 from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from longdoc.service.metrics import Metrics
@@ -62,17 +63,34 @@ class RequestState:
         return self.deadline - time.monotonic()
 
 
+class Backoff:
+    """The one restart back-off, of a failed worker (WorkerSlot) and of a front end that exited
+    (service/frontends.py): `delay` starts at `first_s` (at most `max_s`) and doubles, from at
+    least 0.1 s, up to `max_s` with each attempt that fails again; `reset` after a success."""
+
+    def __init__(self, first_s: float, max_s: float):
+        self.first_s, self.max_s = first_s, max_s
+        self.delay = min(first_s, max_s)
+
+    def failed(self) -> float:
+        """One more failed attempt: the delay before the next one."""
+        self.delay = min(max(self.delay * 2, 0.1), self.max_s)
+        return self.delay
+
+    def reset(self) -> None:
+        self.delay = min(self.first_s, self.max_s)
+
+
 class WorkerSlot:
     """One worker and the single thread that runs it; replaced on failure. Restart attempts
-    back off from `backoff_s`, doubling up to `max_backoff_s`."""
+    back off (`Backoff`) from `backoff_s`, doubling up to `max_backoff_s`."""
 
     def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0):
         self.factory = factory
         self.worker = worker
         self.index = index
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{index}")
         self._aside: ThreadPoolExecutor | None = None  # a second thread, for work that overlaps (call_aside)
         self.healthy = True
@@ -95,14 +113,14 @@ class WorkerSlot:
     def mark_down(self) -> None:
         """Not healthy; the first restart attempt is due after `backoff_s`."""
         self.healthy = False
-        self.next_attempt = time.monotonic() + min(self.backoff_s, self.max_backoff_s)
+        self.backoff.reset()
+        self.next_attempt = time.monotonic() + self.backoff.delay
 
     async def restart(self, metrics: Metrics, model: str) -> None:
         if self.healthy:
             self.mark_down()
         metrics.refresh_ready()
         old = self.worker
-        delay = min(self.backoff_s, self.max_backoff_s)
         while True:
             await asyncio.sleep(max(0.0, self.next_attempt - time.monotonic()))
             try:
@@ -113,8 +131,8 @@ class WorkerSlot:
                 self.worker = await self.call(self.factory)
                 break
             except Exception:
+                delay = self.backoff.failed()
                 log.exception("restarting worker %d of %s failed; retrying in %.1f s", self.index, model, delay)
-                delay = min(max(delay * 2, 0.1), self.max_backoff_s)
                 self.next_attempt = time.monotonic() + delay
         metrics.worker_restarts.labels(model).inc()
         self.healthy = True
@@ -147,25 +165,27 @@ class SequenceResult:
     inference_s: float
 
 
-def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: int) -> None:
+def admit(model: str, budget: QueueBudget, rate: DrainRate, queued: int, cost: int, running: int = 0) -> None:
     """Raise 413 for a request that can never be admitted, 429 for one that cannot be admitted yet,
-    with Retry-After = the time for the queue and this request to drain at the measured rate: the
-    wait a request admitted now would have. (The time for only the excess to drain, tried first,
-    said 1 s under a 4x overload whose admitted requests waited 32 s: the freed room went to the
-    requests arriving meanwhile, and a client retrying after 1 s was refused again.)"""
+    with Retry-After = the time until a request like it would be admitted: until enough of the
+    queue has drained, at the measured rate, for its tokens to fit and its wait to be within
+    `max_wait_s`. (The time for the whole queue and the request to drain, used before, said 11-12 s
+    while the next request after a 429 was admitted 0.2-0.5 s later: clients that obeyed it lost
+    their turn to clients that retried at once.) `running`: tokens of batches under way, which a
+    new request waits for too (not charged to the token budget)."""
     if cost > budget.max_request_tokens:
         raise TooLarge(f"request needs {cost} tokens of model {model}'s queue; the limit per request is "
-                       f"{budget.max_request_tokens} tokens (max_queue_tokens {budget.max_tokens} less the "
-                       f"share kept for small requests)")
-    excess = budget.excess(queued, cost)
-    if excess:
+                       f"{budget.max_request_tokens} tokens: max_queue_tokens {budget.max_tokens} less the "
+                       f"share kept for small requests (small_request_share)", "max_queue_tokens")
+    excess, late = budget.excess(queued, cost), budget.late(queued + running, cost, rate.tokens_per_s)
+    if excess >= late and excess:
         raise Overloaded(f"model {model} has {queued} tokens queued; this request needs {cost} "
                          f"(limit {budget.max_tokens}, small requests {budget.reserve} of them)",
-                         rate.retry_after(queued + cost))
-    wait = rate.seconds(queued + cost)
-    if queued and wait > budget.max_wait_s:  # an empty queue always takes one request, however long
+                         rate.retry_after(excess))
+    if late:
         raise Overloaded(f"model {model} has {queued} tokens queued: this request would wait about "
-                         f"{wait:.1f} s (limit {budget.max_wait_s:g} s)", rate.retry_after(queued + cost))
+                         f"{rate.seconds(queued + running + cost):.1f} s (limit {budget.max_wait_s:g} s)",
+                         rate.retry_after(late))
 
 
 def worker_down(model: str, slots: list[WorkerSlot]) -> Unavailable:
@@ -186,6 +206,7 @@ class EncoderBatcher:
         self.budget = QueueBudget(max_queue_tokens, small_share, max_queue_wait_s)
         self.pad_id = pad_id
         self.rate = DrainRate()  # for Retry-After
+        self.running_tokens = 0  # of the batches the workers run now
         self._wake = asyncio.Event()
         self._idle: asyncio.Queue[WorkerSlot] = asyncio.Queue()
         for s in slots:
@@ -210,7 +231,8 @@ class EncoderBatcher:
         """Queue a request's sequences; wait for all (or for its deadline/cancellation)."""
         if not any(s.healthy for s in self.slots):
             raise worker_down(self.model, self.slots)
-        admit(self.model, self.budget, self.rate, self.policy.queued_tokens, sum(len(ids) for ids, _ in sequences))
+        admit(self.model, self.budget, self.rate, self.policy.queued_tokens, sum(len(ids) for ids, _ in sequences),
+              running=self.running_tokens)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         seqs = [Sequence(ids, types, request, loop.create_future(), enqueued=now) for ids, types in sequences]
@@ -280,6 +302,8 @@ class EncoderBatcher:
         started = time.monotonic()
         for s in seqs:
             s.started = started
+        tokens = int(mask.sum())
+        self.running_tokens += tokens
         try:
             out = await slot.call(slot.worker.run, EncoderBatch(ids, mask, types))
         except Exception as exc:
@@ -291,14 +315,17 @@ class EncoderBatcher:
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
             return
+        finally:
+            self.running_tokens -= tokens
         finished = time.monotonic()
-        real = int(mask.sum())
+        # tokens leave when their batch is answered: with a backlog, the pace of all workers together
+        self.rate.departed(tokens, finished, still_queued=len(self.policy) > 0 or self.running_tokens > 0)
+        real = tokens
         padded = batch.bucket_length * len(seqs)
         self.metrics.batch_size.labels(self.model).observe(len(seqs))
         self.metrics.batch_tokens.labels(self.model).observe(padded)
         self.metrics.padding_waste.labels(self.model).observe(1.0 - real / padded)
         self.metrics.input_tokens.labels(self.model, self.endpoint).inc(real)
-        self.rate.observe(real, finished - started)
         per_token = PER_TOKEN_OUTPUTS[self.endpoint]  # (B, S, ...): cut to each length
         for i, s in enumerate(seqs):
             s.finished = finished
@@ -377,7 +404,6 @@ class DecodeScheduler:
         self.max_decode_batch = max_decode_batch
         self.budget = QueueBudget(max_queue_tokens, small_share, max_queue_wait_s)
         self.rate = DrainRate()  # tokens leaving `pending` per second, for Retry-After
-        self._drain_mark: float | None = None  # the last departure that left jobs waiting
         self.pending: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
         self._joining: list[DecodeJob] = []  # being encoded beside the steps (a worker that overlaps_encoding)
@@ -430,13 +456,8 @@ class DecodeScheduler:
         self.metrics.queue_tokens.labels(self.model).set(self._queued_tokens())
 
     def _left_queue(self, tokens: int) -> None:
-        """Jobs left `pending` for the decoding batch. The time between two departures measures
-        the drain rate only when jobs were waiting all along (a backlog drains at the decoder's
-        pace; a job that arrives at an idle queue leaves at once and says nothing)."""
-        now = time.monotonic()
-        if self._drain_mark is not None:
-            self.rate.observe(tokens, now - self._drain_mark)
-        self._drain_mark = now if self.pending else None
+        """Jobs left `pending` for the decoding batch."""
+        self.rate.departed(tokens, time.monotonic(), still_queued=bool(self.pending))
         self._gauges()
 
     def _finish(self, job: DecodeJob, item) -> None:
@@ -534,7 +555,7 @@ class DecodeScheduler:
         for j in joining:
             self.pending.remove(j)
         self._left_queue(sum(len(j.input_ids) for j in joining))
-        if getattr(self.slot.worker, "overlaps_encoding", False):  # encode beside the running batch's steps
+        if self.slot.worker.overlaps_encoding:  # encode beside the running batch's steps
             self._joining = joining
             self._encoding = asyncio.create_task(self._encode(joining), name=f"encoder-{self.model}")
             self._encoding.add_done_callback(lambda _: self._wake.set())
@@ -560,12 +581,14 @@ class DecodeScheduler:
             await self.slot.call(self.slot.worker.release)
             return
         self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
-        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live],
-                                      [j.sequence[-1] for j in live])  # (n, V)
+        # each sequence's greedy choice under its own settings (model/search.py's processors as
+        # constraints, which the worker applies on the device or to the logits on the host)
+        constraints = [step_constraints(j.sequence, j.settings) for j in live]
+        chosen = await self.slot.call(self.slot.worker.step_greedy, [j.state for j in live],
+                                      [j.sequence[-1] for j in live], constraints)
         still = []
-        for job, row in zip(live, logits):  # (V,) each: the search's greedy choice, row by row
+        for job, tok in zip(live, chosen):
             s = job.settings
-            tok = int(greedy_tokens(np.asarray([job.sequence], dtype=np.int64), row[None], s)[0])
             job.sequence.append(tok)
             if tok not in s.eos_token_ids:  # the eos that ends a summary is not part of it
                 job.tokens.put_nowait(tok)

@@ -13,9 +13,6 @@ import typing
 
 from longdoc.default_models import default_model_dirs, served_from
 
-SHUTDOWN_MARGIN_S = 5.0  # after the shutdown grace: time to write the 503s and close connections
-
-
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve exported models over HTTP",
@@ -185,6 +182,8 @@ def serve(args: argparse.Namespace, worker_factory=None) -> int:
         finally:
             if made:
                 shutil.rmtree(made, ignore_errors=True)
+    from longdoc.service.server import run_http
+
     return run_http(settings, worker_factory)
 
 
@@ -201,45 +200,3 @@ def multiprocess_metrics_dir() -> str | None:
         raise RuntimeError("prometheus_client was imported before the metrics directory was set")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = made = tempfile.mkdtemp(prefix="longdoc-metrics-")
     return made
-
-
-def run_http(settings, worker_factory=None, engine: str | None = None, sockets: list | None = None) -> int:
-    """The app under uvicorn until SIGTERM/SIGINT and its drain. `engine`, `sockets`: a front
-    end's (the engine process's socket, the port bound with SO_REUSEPORT)."""
-    import signal
-
-    import uvicorn
-
-    from longdoc.service.app import create_app
-    from longdoc.service.connections import limited_protocol
-
-    app = create_app(settings, worker_factory, engine=engine)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            # the first SIGTERM/SIGINT: /readyz says no at once, then drain for the grace period. A
-            # second (Ctrl-C twice) ends the grace now: what is running is answered 503 shutting_down
-            # and the server stops as usual. (uvicorn's own second SIGINT, `force_exit`, cancels
-            # every request, answering each with its plain-text 500 and logging a traceback.)
-            if self.should_exit:
-                app.state.service.begin_drain(grace_s=0)
-                return
-            app.state.service.begin_drain()
-            super().handle_exit(sig, frame)
-
-    # the service answers whatever is still running when the grace is over (503 shutting_down,
-    # `event: error` on streams); uvicorn's own limit comes later, so it never cancels a request
-    # and answers its plain-text 500 instead
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-                            access_log=False, proxy_headers=False,  # the client is the peer (docs/service.md)
-                            http=limited_protocol(settings))
-    server = Server(config)
-    # uvicorn re-raises the signal it caught once it has shut down; a drained shutdown exits 0
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.run(sockets=sockets)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1

@@ -1,5 +1,5 @@
-"""What the routers share: the `Service` (models, engines, the host pool, readiness, and `serve`,
-the wrapper every task request runs in), per-request `Timing`, the streamed response, the error
+"""What the routers share: the `Service` (models and their engines, the host threads, readiness,
+and `serve`, the wrapper every task request runs in), per-request `Timing`, the streamed response, the error
 response. Routers find the app's Service at `request.app.state.service`; nothing here imports the
 app (service/app.py) or a router."""
 
@@ -8,33 +8,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from longdoc.service import host as H
-from longdoc.service.batcher import DecodeScheduler, EncoderBatcher, RequestState, WorkerSlot
-from longdoc.service.batching import BatchingPolicy
-from longdoc.service.errors import InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, error_body
-from longdoc.service.metrics import Metrics, length_buckets, length_label
+from longdoc.service.batcher import RequestState
+from longdoc.service.engine import ModelSource, ServedModel
+from longdoc.service.errors import (
+    DeadlineExceeded, InvalidRequest, ModelNotFound, ServiceError, ShuttingDown, Unavailable, error_body,
+)
+from longdoc.service.metrics import Metrics, length_label
 from longdoc.service.settings import Settings, choose_default_models
 from longdoc.service.validation import ErrorResponse, Limits
-from longdoc.service.workers import ModelInfo, Worker
+from longdoc.service.workers import ModelInfo
 
 log = logging.getLogger("longdoc.service")
-TASKS = ("qa", "summarize", "classify")
-WorkerFactory = Callable[[str, Path, str, Settings], Worker]
-
-
-@dataclass(eq=False)
-class ServedModel:
-    info: ModelInfo
-    devices: list[str]
-    engine: EncoderBatcher | DecodeScheduler
-    length_bounds: tuple[int, ...]
 
 
 def arrived(request: Request) -> float:
@@ -59,27 +50,24 @@ class Timing:
 
 
 class Service:
-    """What the app's lifespan owns: models, engines, the host pool, readiness."""
+    """What the app's lifespan owns: the models and their engines (from `source`: this process's
+    workers and batchers, or an engine process's), the host threads, readiness."""
 
-    def __init__(self, settings: Settings, worker_factory: WorkerFactory, host: bool = True,
-                 engine: str | None = None):
-        """`host`: run the host pool (not in an engine process: its front ends do that work);
-        `engine`: a front end's, the engine process's socket (service/frontends.py): the models'
-        engines are remote, the workers are the engine's."""
+    def __init__(self, settings: Settings, source: ModelSource):
         self.settings = settings
-        self.worker_factory = worker_factory
-        self.with_host, self.engine_path, self.engine_client = host, engine, None
+        self.source = source
         # batch-token histogram up to the largest device budget, and at least 16384 so that a long
         # window that runs alone over a small (CPU) budget still lands in a finite bucket
         budget = max(settings.batch_tokens_for(d) for d in settings.devices)
         self.metrics = Metrics(max(budget, 16384), settings.max_batch_size)
         self.models: dict[str, ServedModel] = {}
         self.defaults: dict[str, str] = {}
-        self.host: H.HostPool | None = None
+        self.host: ThreadPoolExecutor | None = None  # tokenization, windows, answer shaping (service/host.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.draining = False
         self.drain_deadline = float("inf")
+        self.drain_started, self.drain_cut_after = 0.0, None  # seconds into the grace of a second signal
         self.drain_expired = asyncio.Event()  # set when the grace is over: what is left is answered 503
         self.in_flight = 0  # requests being served (streams until their last event), as logged at shutdown
         self.limits = Limits(settings.max_document_bytes, settings.max_documents,
@@ -89,82 +77,41 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         self.loop = asyncio.get_running_loop()  # begin_drain() is called from a signal handler
-        if self.engine_path is not None:  # a front end: the engine process's models, each behind a remote engine
-            await self._connect_engine()
-        else:
-            await self._load_models()
-        if self.with_host:
-            self.host = H.HostPool({n: m.info for n, m in self.models.items()}, s.host_process_count(),
-                                   s.tokenizer_threads)
-            await asyncio.to_thread(self.host.start)
+        self.models = await self.source.open(self.metrics)
+        self.host = ThreadPoolExecutor(max_workers=s.tokenizer_threads, thread_name_prefix="tokenize")
         self.defaults = choose_default_models(s.default_models, {n: m.info.task for n, m in self.models.items()})
         log.info("default models: %s", ", ".join(f"{task}={name}" for task, name in self.defaults.items()))
         self.ready = True
         self.metrics.refresh_ready()
         log.info("ready: %s", ", ".join(f"{n} ({m.info.task})" for n, m in self.models.items()))
 
-    async def _load_models(self) -> None:
-        s = self.settings
-        for name, directory in s.models.items():
-            slots = []
-            for i, device in enumerate(s.devices):
-                factory = lambda name=name, directory=directory, device=device: self._load(name, directory, device)  # noqa: E731
-                worker = await asyncio.to_thread(factory)
-                slots.append(WorkerSlot(factory, worker, i, s.worker_restart_backoff_s,
-                                        s.worker_restart_max_backoff_s))
-            info = slots[0].worker.info
-            if info.task not in TASKS:
-                raise ValueError(f"model {name}: task {info.task!r} is not served (serving {', '.join(TASKS)})")
-            if info.task == "summarize":
-                for extra in slots[1:]:  # one decoding loop per model (see docs/service.md)
-                    extra.close()
-                engine = DecodeScheduler(name, slots[0], self.metrics, s.max_decode_batch, s.max_queue_tokens,
-                                         small_share=s.small_request_share, endpoint=info.task,
-                                         max_queue_wait_s=s.max_queue_wait_s)
-                devices = [s.devices[0]]
-            else:
-                policy = BatchingPolicy(
-                    # each worker passes its own budget (batch_tokens_for its device); this is the fallback
-                    max_batch_tokens=max(s.batch_tokens_for(d) for d in s.devices),
-                    max_batch_size=s.max_batch_size if s.batching else 1,
-                    max_wait_s=s.max_wait_ms / 1000.0 if s.batching else 0.0,
-                    bucket_size=info.block_size,
-                )
-                engine = EncoderBatcher(name, slots, policy, self.metrics, s.max_queue_tokens,
-                                        pad_id=int(info.special_tokens.get("pad") or 0),
-                                        small_share=s.small_request_share, endpoint=info.task,
-                                        max_queue_wait_s=s.max_queue_wait_s)
-                devices = list(s.devices)
-            engine.start()
-            self.models[name] = ServedModel(info, devices, engine, length_buckets(info.max_length, info.block_size))
-
-    async def _connect_engine(self) -> None:
-        from longdoc.service.frontends import EngineClient, remote_engine
-
-        self.engine_client, models = await EngineClient.connect(self.engine_path)
-        self.engine_client.on_health = self.metrics.refresh_ready
-        for name, (info, devices, bounds) in models.items():
-            self.models[name] = ServedModel(info, devices, remote_engine(self.engine_client, name, info.task), bounds)
-
-    def _load(self, name: str, directory: Path, device: str) -> Worker:
-        worker = self.worker_factory(name, directory, device, self.settings)
-        if self.settings.warmup:
-            worker.warmup()
-        return worker
-
     def begin_drain(self, grace_s: float | None = None) -> None:
         """Shutdown begins (a signal; called from the signal handler): not ready, no new requests;
         the grace period (`shutdown_grace_s` unless given) starts now, and when it is over every
         request still running is answered 503 shutting_down by `serve` (streams get `event:
         error`). A later call with a shorter grace brings its end forward (a second Ctrl-C: 0)."""
-        deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        now = time.monotonic()
+        deadline = now + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
         first = not self.draining
         if first or deadline < self.drain_deadline:
+            if first:
+                self.drain_started = now
+            else:  # the grace cut short, `shutdown_message` says when
+                self.drain_cut_after = now - self.drain_started
             self.draining = True
             self.drain_deadline = deadline
             self.metrics.refresh_ready()
             if self.loop is not None:  # logged and timed on the loop, not in the signal handler
                 self.loop.call_soon_threadsafe(self._arm_drain_timer, first)
+
+    def shutdown_message(self, what: str) -> str:
+        """The 503 shutting_down of a request (`what`: "request", "stream") still running when the
+        grace is over: the grace ran out, or a second signal ended it early."""
+        grace = self.settings.shutdown_grace_s
+        if self.drain_cut_after is None:
+            return f"server is shutting down; the {what} did not finish within the {grace:g} s grace period; retry"
+        return (f"server is shutting down: a second signal ended the {grace:g} s grace period after "
+                f"{self.drain_cut_after:.1f} s, before the {what} finished; retry")
 
     def _arm_drain_timer(self, first: bool) -> None:
         left = max(0.0, self.drain_deadline - time.monotonic())
@@ -184,10 +131,9 @@ class Service:
             await m.engine.drain(max(0.0, self.drain_deadline - time.monotonic()))
         for m in self.models.values():
             await m.engine.close()
-        if self.engine_client is not None:
-            await self.engine_client.close()
-        if self.host:
-            self.host.shutdown()
+        await self.source.close()
+        if self.host is not None:
+            self.host.shutdown(wait=False, cancel_futures=True)
 
     def is_ready(self) -> bool:
         return self.ready and not self.draining and all(m.engine.healthy() for m in self.models.values())
@@ -205,8 +151,15 @@ class Service:
         return m
 
     async def host_work(self, deadline: float, what: str, fn, info: ModelInfo, *args):
-        """fn(info, *args) (service/host.py) in the host pool, given up at the request's deadline."""
-        return await self.host.call(deadline, what, fn, info, *args)
+        """fn(info, *args) (service/host.py) in the host threads, given up at the request's
+        deadline (504; the call finishes unseen)."""
+        if self.host is None:
+            raise Unavailable("server is not started")
+        future = asyncio.get_running_loop().run_in_executor(self.host, fn, info, *args)
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(f"deadline exceeded during {what}") from None
 
     async def serve(self, request: Request, endpoint: str, work: Callable[[RequestState, Timing], Any]) -> Response:
         """Run one request's `work(state, timing)`, which returns (response, model, tokens): the
@@ -238,9 +191,7 @@ class Service:
                 task.cancel()
                 if watcher not in done:  # the shutdown grace is over: answer before uvicorn gives up
                     m.failures.labels(endpoint, ShuttingDown.reason).inc()
-                    return error_response(ShuttingDown(
-                        f"server is shutting down; the request did not finish within the "
-                        f"{self.settings.shutdown_grace_s:g} s grace period; retry"))
+                    return error_response(ShuttingDown(self.shutdown_message("request")))
                 m.failures.labels(endpoint, "cancelled").inc()  # the client went away
                 return Response(status_code=499)
             try:

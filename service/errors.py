@@ -51,7 +51,22 @@ class RequestTimeout(ServiceError):
 
 
 class TooLarge(ServiceError):
+    """Over a limit of the server's: the message ends by naming the settings that raise it
+    (`raised_by`), so that a user can ask for it and an operator find it."""
+
     status, type, reason = 413, "too_large", "too_large"
+
+    def __init__(self, message: str, *settings: str):
+        super().__init__(f"{message}; {raised_by(*settings)}" if settings else message)
+
+
+def raised_by(*settings: str) -> str:
+    """Where a limit is set: "the server's max_documents setting raises it (LONGDOC_MAX_DOCUMENTS
+    or --max-documents)" (service/settings.py's fields; service/cli.py derives the flags)."""
+    how = "; ".join(f"LONGDOC_{s.upper()} or --{s.replace('_', '-')}" for s in settings)
+    if len(settings) == 1:
+        return f"the server's {settings[0]} setting raises it ({how})"
+    return f"the server's {' and '.join(settings)} settings raise it ({how})"
 
 
 class Overloaded(ServiceError):

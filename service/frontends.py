@@ -3,23 +3,29 @@
     engine process (this one):  models, workers, one batcher per model and device; no HTTP
         ^ Unix socket, one per front end: submissions, tokens and results as framed pickles
     N front-end processes:       HTTP, body checks, validation, tokenization, windows, answer
-                                 shaping, responses (the same app, its engines `Remote*`), all
-                                 listening on the port (SO_REUSEPORT: the kernel spreads the
-                                 connections over them)
+                                 shaping, responses (the same app, its models `RemoteModels`),
+                                 each on its own listening socket of the port (SO_REUSEPORT: the
+                                 kernel spreads the connections over them)
 
 One process parses, validates, tokenizes and shapes every answer in front of the device otherwise
 (about 3 ms of its event loop per 4096-token QA document: one process tops out near 300 docs/s,
-docs/service.md "Host path"). Every submission still reaches the one batcher of its model, so
+docs/benchmarks.md "The host path"). Every submission still reaches the one batcher of its model, so
 batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
 backend, are split the same way.
+
+The engine opens the N listening sockets before it starts any front end and hands front end i
+the i-th: from the first connection on, the kernel spreads connections over all N (a socket
+whose front end is still starting holds its connections until it accepts them), so keep-alive
+clients that connect early do not pile onto the first front end up. `/readyz` says yes only once
+every front end accepts connections. A front end that dies is started again on the same socket.
 
 What a user sees does not change: the same API, errors (a `ServiceError` crosses as its class,
 message and headers), deadlines (the monotonic clock is the machine's), cancellation (a front end
 whose client goes away cancels its submission; a front end that dies cancels all of its),
-`/readyz` (a front end is ready when it is and the engine says it is), metrics (prometheus-client's
-multiprocess mode: every process writes to one directory and `/metrics` anywhere sums them) and
-the drain on SIGTERM (the engine forwards it, the front ends drain their requests, then the engine
-stops). A front end that exits otherwise is started again.
+metrics (prometheus-client's multiprocess mode: every process writes to one directory and
+`/metrics` anywhere sums them) and the drain on SIGTERM (the engine forwards it, the front ends
+drain their requests, then the engine stops). A front end exits when the engine dies (Linux's
+parent-death signal), so a killed engine leaves no process holding the port.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from longdoc.service import errors
-from longdoc.service.batcher import RequestState
+from longdoc.service.batcher import Backoff, RequestState
+from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, Unavailable
 
 log = logging.getLogger("longdoc.service")
@@ -76,10 +83,14 @@ def error_from(payload: tuple[str, str, dict, int]) -> ServiceError:
 # --- the engine's side --------------------------------------------------------------------------
 
 class EngineServer:
-    """Serves the front ends' submissions to the service's engines (its batchers)."""
+    """Serves the front ends' submissions to the service's engines (its batchers). Ready (what it
+    answers a front end's health poll) when the service is and `front_ends` front ends accept
+    connections."""
 
-    def __init__(self, service):
+    def __init__(self, service, front_ends: int):
         self.service = service
+        self.front_ends = front_ends
+        self.serving: set[asyncio.StreamWriter] = set()  # the front ends that said they accept connections
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self, path: Path) -> None:
@@ -88,6 +99,9 @@ class EngineServer:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+    def is_ready(self) -> bool:
+        return self.service.is_ready() and len(self.serving) >= self.front_ends
 
     def hello(self) -> tuple:
         s = self.service
@@ -111,10 +125,13 @@ class EngineServer:
                         state.cancelled = True
                         task.cancel()
                 elif kind == "health":
-                    send(writer, ("health", rid, self.service.is_ready()))
+                    send(writer, ("health", rid, self.is_ready()))
+                elif kind == "serving":
+                    self.serving.add(writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front end is gone: whatever it submitted is nobody's now
         finally:
+            self.serving.discard(writer)
             for task, state in list(running.values()):
                 state.cancelled = True
                 task.cancel()
@@ -202,6 +219,11 @@ class EngineClient:
         if cancel and not self.lost and not self.writer.is_closing():
             send(self.writer, ("cancel", rid))
 
+    def serving(self) -> None:
+        """Tell the engine this front end accepts connections (it is ready once all of them do)."""
+        if not self.lost:
+            send(self.writer, ("serving", -1))
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -226,17 +248,14 @@ class RemoteEncoder:
         finally:
             self.client.close_request(rid, cancel=not finished)
 
-    def start(self) -> None:
-        pass
-
     def healthy(self) -> bool:
         return self.client.engine_ready
 
     async def drain(self, grace_s: float) -> None:
-        pass
+        pass  # the engine process drains its batchers
 
     async def close(self) -> None:
-        pass
+        pass  # RemoteModels.close closes the connection
 
 
 class RemoteDecoder(RemoteEncoder):
@@ -263,33 +282,75 @@ class RemoteDecoder(RemoteEncoder):
             self.client.close_request(rid, cancel=not finished)
 
 
-def remote_engine(client: EngineClient, model: str, task: str) -> RemoteEncoder:
-    return (RemoteDecoder if task == "summarize" else RemoteEncoder)(client, model)
+class RemoteModels:
+    """A front end's models (service/engine.py `ModelSource`): the engine process's, each behind a
+    remote engine on one connection to it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.client: EngineClient | None = None
+
+    async def open(self, metrics) -> dict[str, ServedModel]:
+        self.client, models = await EngineClient.connect(self.path)
+        self.client.on_health = metrics.refresh_ready
+        return {name: ServedModel(info, devices, (RemoteDecoder if info.task == "summarize" else RemoteEncoder)(
+                    self.client, name), bounds)
+                for name, (info, devices, bounds) in models.items()}
+
+    def serving(self) -> None:
+        if self.client is not None:
+            self.client.serving()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
 
 
 # --- the processes --------------------------------------------------------------------------------
 
-def listening_socket(host: str, port: int):
-    """The front ends' socket: every front end binds the port (SO_REUSEPORT)."""
+def listening_sockets(host: str, port: int, n: int) -> list:
+    """`n` sockets listening on one port (SO_REUSEPORT; port 0: the one the first is given)."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
+    socks = []
+    for _ in range(n):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, socks[0].getsockname()[1] if socks else port))
+        sock.listen(2048)  # uvicorn's backlog
+        socks.append(sock)
+    return socks
 
 
-def front_end_main(settings, engine_path: str, index: int) -> None:
-    """A front end (a spawned process): the app with remote engines, HTTP on the shared port.
-    `settings` arrive pickled (API keys included: a JSON dump would mask them)."""
-    from longdoc.service.cli import run_http
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+
+def exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM to this process when its parent (the engine) dies, however it dies (kill -9, the
+    OOM killer): a front end cannot serve without it and must not keep the port. Linux only
+    (prctl); elsewhere a front end answers 503 until it is stopped."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # it died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def front_end_main(settings, engine_path: str, index: int, sock, parent_pid: int) -> None:
+    """A front end (a spawned process): the app with remote models, HTTP on its listening socket
+    `sock` (the engine's, inherited). `settings` arrive pickled (API keys included: a JSON dump
+    would mask them)."""
+    from longdoc.service.server import run_http
+
+    exit_with_parent(parent_pid)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[front end {index}]: %(message)s")
-    raise SystemExit(run_http(settings, None, engine=engine_path,
-                              sockets=[listening_socket(settings.host, settings.port)]))
+    models = RemoteModels(engine_path)
+    raise SystemExit(run_http(settings, models=models, sockets=[sock], on_serving=models.serving))
 
 
 async def run_engine(settings, worker_factory) -> int:
@@ -299,12 +360,13 @@ async def run_engine(settings, worker_factory) -> int:
 
     from prometheus_client import multiprocess
 
-    from longdoc.service.cli import SHUTDOWN_MARGIN_S
     from longdoc.service.core import Service
+    from longdoc.service.engine import LocalModels
+    from longdoc.service.server import SHUTDOWN_MARGIN_S
     from longdoc.service.workers import onnx_worker_factory
 
-    service = Service(settings, worker_factory or onnx_worker_factory, host=False)
-    server = EngineServer(service)
+    service = Service(settings, LocalModels(settings, worker_factory or onnx_worker_factory))
+    server = EngineServer(service, settings.front_ends)
     workdir = Path(tempfile.mkdtemp(prefix="longdoc-engine-"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -327,18 +389,19 @@ async def run_engine(settings, worker_factory) -> int:
         loop.add_signal_handler(sig, on_signal)
     ctx = multiprocessing.get_context("spawn")
     processes: list = []
-    front = settings.model_copy(update={"front_ends": 1, "host_processes": 0})
+    front = settings.model_copy(update={"front_ends": 1})
+    sockets: list = []
 
     def spawn(i: int):
-        p = ctx.Process(target=front_end_main, args=(front, str(workdir / "engine.sock"), i),
+        p = ctx.Process(target=front_end_main, args=(front, str(workdir / "engine.sock"), i, sockets[i], os.getpid()),
                         name=f"longdoc-front-end-{i}", daemon=False)
         p.start()
         return p
 
     async def keep(i: int) -> None:
         """A front end that exits while the engine runs is started again, after the workers'
-        restart back-off (doubling up to its maximum while it keeps failing within a minute)."""
-        backoff = settings.worker_restart_backoff_s
+        restart back-off (doubling up to its maximum while it keeps exiting within a minute)."""
+        backoff = Backoff(settings.worker_restart_backoff_s, settings.worker_restart_max_backoff_s)
         while True:
             started = time.monotonic()
             await asyncio.to_thread(processes[i].join)
@@ -346,15 +409,15 @@ async def run_engine(settings, worker_factory) -> int:
                 return
             multiprocess.mark_process_dead(processes[i].pid)
             if time.monotonic() - started > 60:
-                backoff = settings.worker_restart_backoff_s
+                backoff.reset()
             log.error("front end %d (pid %d) exited with %s; starting it again in %.1f s", i, processes[i].pid,
-                      processes[i].exitcode, backoff)
+                      processes[i].exitcode, backoff.delay)
             try:
-                await asyncio.wait_for(stop.wait(), backoff)
+                await asyncio.wait_for(stop.wait(), backoff.delay)
                 return  # shutting down meanwhile
             except TimeoutError:
                 pass
-            backoff = min(2 * backoff, settings.worker_restart_max_backoff_s)
+            backoff.failed()  # the next exit within a minute waits longer
             processes[i] = spawn(i)
 
     try:
@@ -364,11 +427,14 @@ async def run_engine(settings, worker_factory) -> int:
             log.exception("engine: the models did not start")
             return 1
         await server.start(workdir / "engine.sock")
+        sockets.extend(listening_sockets(settings.host, settings.port, settings.front_ends))
         processes.extend(spawn(i) for i in range(settings.front_ends))
         keepers = [asyncio.create_task(keep(i)) for i in range(settings.front_ends)]
-        log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host, settings.port)
+        log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host, sockets[0].getsockname()[1])
         await stop.wait()
         forward(signal.SIGTERM)
+        for sock in sockets:  # new connections are refused now, not queued for front ends that drain
+            sock.close()
         log.info("engine: waiting for the front ends to drain")
         deadline = time.monotonic() + settings.shutdown_grace_s + SHUTDOWN_MARGIN_S  # as a front end's uvicorn
         for p in processes:  # the front ends drain (their grace), then exit; the engine serves them meanwhile
@@ -380,6 +446,8 @@ async def run_engine(settings, worker_factory) -> int:
         for p in processes:
             if p.is_alive():
                 p.kill()
+        for sock in sockets:
+            sock.close()
         server.close()
         await service.stop()
         for path in workdir.iterdir():

@@ -68,6 +68,11 @@ class Metrics:
             buckets=DURATION_BUCKETS, registry=r,
         )
         size_buckets = sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch_size})
+        self.time_to_first_token_seconds = Histogram(
+            "longdoc_time_to_first_token_seconds", "A streamed summary: received to its first token event sent "
+            "(tokenization, queue, encoder and the first decoder step; a beam search: all of it).",
+            ("model", "length_bucket"), buckets=DURATION_BUCKETS, registry=r,
+        )
         self.batch_size = Histogram(
             "longdoc_batch_size", "Sequences per batch run (summarize: per decoder step).", ("model",), buckets=size_buckets, registry=r
         )
@@ -112,7 +117,7 @@ class Metrics:
         self._is_ready: Callable[[], bool] = lambda: False
         self.ready.set(0)
         for reason in FAILURE_REASONS:  # export zeros so dashboards see every series
-            for endpoint in ("qa", "summarize", "classify"):
+            for endpoint in ("qa", "summarize", "classify", "embeddings", "embed"):
                 self.failures.labels(endpoint, reason)
 
     def track_readiness(self, is_ready: Callable[[], bool]) -> None:

@@ -46,13 +46,8 @@ class Settings(BaseSettings):
         default_factory=lambda: ["cpu"], json_schema_extra={"flag": "device", "metavar": "cpu|cuda|cuda:N"},
         description="one worker per device for each encoder model (repeatable)")
     threads: int | None = Field(None, ge=1, description="intra-op threads per CPU worker; unset: ONNX Runtime's")
-    tokenizer_threads: int = Field(2, ge=1, description="threads tokenizing requests when host_processes is 0")
-    # service/host.py: tokenization, windows and answer shaping scale out with the cores this way
-    # (docs/service.md, "Host path"); the event loop, the batchers and the metrics stay in one process
-    host_processes: int | None = Field(
-        None, ge=0, description="processes that tokenize, window and shape answers beside the event loop; "
-                                "0: threads of the server process; unset: one per CPU core the server may use "
-                                "(its affinity, e.g. taskset, at most its cgroup CPU quota), 0 on one core")
+    tokenizer_threads: int = Field(2, ge=1, description="threads per server process that tokenize, window and "
+                                                        "shape answers beside its event loop")
 
     # dynamic batching (per model)
     batching: bool = Field(True, description="dynamic batching; off: every sequence runs alone (for comparison)")
@@ -75,6 +70,11 @@ class Settings(BaseSettings):
         None, description="summarize: encode newcomers on a second thread while the decode batch steps; "
                           "unset: on for cuda, off for cpu (where both would share the same cores)")
 
+    decoder_steps: Literal["auto", "dynamic", "fixed", "captured"] = Field(
+        "auto", description="summarize: how decoder steps run: dynamic (each step at the batch's own lengths), "
+                            "fixed (every shape fixed, greedy chosen on the device) or captured (fixed, replayed "
+                            "as CUDA graphs; cuda only); auto: captured on cuda, dynamic on cpu")
+
     # request limits
     max_document_bytes: int = Field(2_000_000, ge=1, description="bytes per document (413 beyond)")
     max_document_tokens: int = Field(65536, ge=1, description="tokens per document (413 beyond)")
@@ -89,11 +89,20 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="request line and headers within this, else 408")
     body_timeout_s: float = Field(60.0, gt=0, description="a whole request body within this, else 408")
     max_connections: int = Field(
-        512, ge=1, description="open connections; over it a new one closes the oldest idle connection of the "
-                               "client holding the most, or gets 503 when none is idle")
+        512, ge=1, description="open connections; over it a new one closes a dawdling connection or the slowest "
+                               "body of the client holding the most, or gets 503 (a probe is answered)")
     max_connections_per_client: int = Field(
-        128, ge=1, description="open connections from one client address (behind a proxy: the proxy's); over it "
-                               "a new one closes that client's oldest idle connection, or gets 503 when none is idle")
+        128, ge=1, description="open connections from one client address (behind a trusted proxy: the forwarded "
+                               "client's requests); over it a new one closes one of that client's dawdling "
+                               "connections or its slowest body, or gets 503 (a probe is answered)")
+    min_upload_bytes_per_s: float = Field(
+        1024, gt=0, description="a request body must arrive at this rate on average after its first second, "
+                                "else 408 and the connection closes")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, json_schema_extra={"flag": "trusted-proxy", "metavar": "ADDRESS|NETWORK"},
+        description="proxies whose X-Forwarded-For names the client (repeatable; e.g. 10.0.0.0/8): per-client "
+                    "limits then count that client; from any other address the header is ignored; unset: "
+                    "ignored from every address")
     max_body_bytes_in_flight: int = Field(
         256 * 2**20, ge=1, description="request body bytes buffered by all unanswered requests; over it 503")
 
@@ -168,6 +177,18 @@ class Settings(BaseSettings):
             keys += from_file
         return keys
 
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, proxies: list[str]) -> list[str]:
+        import ipaddress
+
+        for proxy in proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(f"{proxy!r} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8)") from None
+        return proxies
+
     @field_validator("devices")
     @classmethod
     def _check_devices(cls, devices: list[str]) -> list[str]:
@@ -176,16 +197,6 @@ class Settings(BaseSettings):
         if not devices:
             raise ValueError("at least one device")
         return devices
-
-    def host_process_count(self) -> int:
-        """`host_processes`, or unset: the usable cores, 0 (threads) on one core (a process to
-        hand work to would only add the copying)."""
-        if self.host_processes is not None:
-            return self.host_processes
-        from longdoc.service.host import usable_cores
-
-        cores = usable_cores()
-        return cores if cores > 1 else 0
 
     def batch_tokens_for(self, device: str) -> int:
         """The padded-token budget of a batch on a worker of this device: `max_batch_tokens` if

@@ -8,7 +8,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Annotated, get_args
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, model_validator
@@ -37,7 +37,7 @@ def scan_json_tokens(body: bytes, limit: int, chunk: int = 1 << 18):
         n += 1
         if n > limit:
             raise TooLarge(f"request body has over {limit} JSON strings and separators; "
-                           f"this API's requests need far fewer")
+                           f"this API's requests need far fewer: a few per document", "max_documents")
         pos = m.end()
         if m.group() != b'"':
             continue
@@ -104,17 +104,10 @@ Text = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1, "pattern
 _NOT_BLANK = re.compile(f"[^{_char_class(_BLANK)}]")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "oneOf": [{"required": ["document"]}, {"required": ["documents"]}]})
+class _Strict(BaseModel):
+    """No unknown keys; numbers are JSON numbers (`_json_numbers`)."""
 
-    # exactly one of the two, and never null (SkipJsonSchema: the schema shows no null)
-    document: Text | SkipJsonSchema[None] = Field(None, description="One document; or give `documents`.")
-    documents: Annotated[list[Text], Field(min_length=1)] | SkipJsonSchema[None] = Field(
-        None, description="Several documents (at most the server's `max_documents`).")
-    model: str | None = Field(None, description="A loaded model's name; default: the task's first model.")
-    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, allow_inf_nan=False,
-                                  description="Deadline in seconds (or header X-Request-Timeout).")
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +121,20 @@ class _Body(BaseModel):
                         {int, float} & {field.annotation, *get_args(field.annotation)}:
                     raise ValueError(f"{name}: expected a number, got {json.dumps(value)}")
         return data
+
+
+
+class _Body(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [{"required": ["document"]}, {"required": ["documents"]}]})
+
+    # exactly one of the two, and never null (SkipJsonSchema: the schema shows no null)
+    document: Text | SkipJsonSchema[None] = Field(None, description="One document; or give `documents`.")
+    documents: Annotated[list[Text], Field(min_length=1)] | SkipJsonSchema[None] = Field(
+        None, description="Several documents (at most the server's `max_documents`).")
+    model: str | None = Field(None, description="A loaded model's name; default: the task's first model.")
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, allow_inf_nan=False,
+                                  description="Deadline in seconds (or header X-Request-Timeout).")
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -157,11 +164,41 @@ class SummarizeRequest(_Body):
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False,
                                          description="Default: the model's, else 1.0.")
     no_repeat_ngram_size: int | None = Field(None, ge=0, le=16, description="Default: the model's, else 0.")
-    stream: StrictBool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
+    stream: StrictBool = Field(False, description="Server-sent events: `token` events (a piece of text and its "
+                                                  "tokens' ids), then `done`.")
 
 
 class ClassifyRequest(_Body):
     top_k: int | None = Field(None, ge=1, le=1000, description="Default: every label.")
+
+
+class EmbeddingsRequest(_Strict):
+    """OpenAI's embeddings request (`POST /v1/embeddings`)."""
+
+    input: Text | Annotated[list[Text], Field(min_length=1)] = Field(
+        ..., description="A text, or a list of texts (at most the server's `max_documents`); each embedded whole.")
+    model: str | None = Field(None, description="A loaded embed model's name; default: the default embedding model.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: each vector's float32 little-endian bytes in base64.")
+    dimensions: int | None = Field(None, ge=1, description="If given, the model's dimensions (vectors are not cut).")
+    user: str | None = Field(None, description="Accepted for OpenAI compatibility; not used.")
+    truncate: StrictBool = Field(False, description="Embed only each text's first window (the model's length); "
+                                                    "default: every window, pooled into one vector.")
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, allow_inf_nan=False,
+                                  description="Deadline in seconds (or header X-Request-Timeout).")
+
+
+class EmbedRequest(_Strict):
+    """text-embeddings-inference's embed request (`POST /embed`)."""
+
+    inputs: Text | Annotated[list[Text], Field(min_length=1)] = Field(
+        ..., description="A text, or a list of texts (at most the server's `max_documents`); each embedded whole.")
+    normalize: StrictBool = Field(True, description="Unit-length vectors.")
+    truncate: StrictBool = Field(False, description="Embed only each text's first window; default: every window, "
+                                                    "pooled into one vector.")
+    model: str | None = Field(None, description="A loaded embed model's name; default: the default embedding model.")
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, allow_inf_nan=False,
+                                  description="Deadline in seconds (or header X-Request-Timeout).")
 
 
 # responses
@@ -214,6 +251,24 @@ class ClassifyResponse(BaseModel):
     results: list[ClassifyResult]
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="the vector; a base64 string with encoding_format base64")
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int = Field(description="every token embedded (all windows; the first with truncate)")
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingsUsage
+
+
 class ModelCard(BaseModel):
     name: str
     task: str
@@ -231,7 +286,7 @@ class ModelsResponse(BaseModel):
 
 
 # summarize with `stream: true`: one server-sent event (OpenAPI 3.1 reads the `schema` of
-# text/event-stream as one event). `data` is JSON: `token` {"id", "text"}, `done` a
+# text/event-stream as one event). `data` is JSON: `token` {"ids", "text"}, `done` a
 # SummarizeResponse, `error` an ErrorResponse.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": ["token", "done", "error"]},
@@ -287,6 +342,15 @@ class ClassifyJob:
     top_k: int | None
 
 
+@dataclass(frozen=True)
+class EmbedJob:
+    common: Common
+    truncate: bool  # the first window only
+    normalize: bool | None  # None: as the model's sentence-transformers config says
+    base64: bool  # OpenAI's encoding_format "base64"
+    dimensions: int | None  # OpenAI's: must be the model's
+
+
 def check_text(text: str, what: str, max_bytes: int) -> str:
     """Non-empty, valid Unicode (no lone surrogates), no control characters, within max_bytes."""
     try:
@@ -294,7 +358,7 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
     except UnicodeEncodeError:
         raise InvalidRequest(f"{what} is not valid UTF-8 (lone surrogate)") from None
     if len(encoded) > max_bytes:
-        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes")
+        raise TooLarge(f"{what} is {len(encoded)} bytes; the limit is {max_bytes} bytes", "max_document_bytes")
     if not _NOT_BLANK.search(text):  # one regex search in C, not a Python loop over a 2 MB text
         raise InvalidRequest(f"{what} is empty or only whitespace or invisible characters")
     if _may_have_control(encoded) and (bad := _CONTROL.search(text)):
@@ -304,25 +368,35 @@ def check_text(text: str, what: str, max_bytes: int) -> str:
 
 def _common(body: _Body, header_timeout: str | None, limits: Limits, arrived: float | None) -> Common:
     docs = [body.document] if body.document is not None else list(body.documents or [])
+    return _texts(docs, "document" if body.document is not None else "documents", body.document is not None,
+                  body.model, body.timeout, header_timeout, limits, arrived)
+
+
+def _texts(docs: list[str], field: str, single: bool, model: str | None, timeout: float | None,
+           header_timeout: str | None, limits: Limits, arrived: float | None) -> Common:
+    """The request's texts checked (`field` names them in errors: "document" when `single`, else
+    "documents[3]"), and its deadline."""
     if len(docs) > limits.max_documents:
-        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request")
+        raise TooLarge(f"{len(docs)} documents; the limit is {limits.max_documents} per request", "max_documents")
     for i, d in enumerate(docs):
-        check_text(d, "document" if body.document is not None else f"documents[{i}]", limits.max_document_bytes)
-    timeout = body.timeout
+        check_text(d, field if single else f"{field}[{i}]", limits.max_document_bytes)
     if timeout is None and header_timeout is not None:
+        accepted = (f"X-Request-Timeout {header_timeout!r}: give a number of seconds from {MIN_TIMEOUT_S:g} to "
+                    f"{limits.max_timeout_s:g} (the server's max_request_timeout_s)")
         try:
             timeout = float(header_timeout)
         except ValueError:
-            raise InvalidRequest(f"X-Request-Timeout {header_timeout!r} is not a number of seconds") from None
-        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:
-            raise InvalidRequest(f"X-Request-Timeout must be at least {MIN_TIMEOUT_S} seconds")
+            raise InvalidRequest(accepted) from None
+        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT_S:  # inf and nan are no deadline
+            raise InvalidRequest(accepted)
     if timeout is None:
         timeout = limits.default_timeout_s
     if timeout > limits.max_timeout_s:
-        raise InvalidRequest(f"timeout {timeout} s exceeds the server's maximum of {limits.max_timeout_s} s")
+        raise InvalidRequest(f"timeout {timeout:g} s exceeds the server's maximum of {limits.max_timeout_s:g} s "
+                             f"(its max_request_timeout_s)")
     # the deadline counts from the request's arrival, as its client's clock does (not from here,
     # after the body was read and parsed)
-    return Common(body.model, tuple(docs), (time.monotonic() if arrived is None else arrived) + timeout)
+    return Common(model, tuple(docs), (time.monotonic() if arrived is None else arrived) + timeout)
 
 
 def validate_qa(body: QARequest, header_timeout: str | None, limits: Limits,
@@ -357,3 +431,19 @@ def summarize_search(job: SummarizeJob, info):
 def validate_classify(body: ClassifyRequest, header_timeout: str | None, limits: Limits,
                    arrived: float | None = None) -> ClassifyJob:
     return ClassifyJob(_common(body, header_timeout, limits, arrived), body.top_k)
+
+
+def validate_embeddings(body: EmbeddingsRequest, header_timeout: str | None, limits: Limits,
+                        arrived: float | None = None) -> EmbedJob:
+    one = isinstance(body.input, str)
+    common = _texts([body.input] if one else list(body.input), "input", one, body.model, body.timeout,
+                    header_timeout, limits, arrived)
+    return EmbedJob(common, body.truncate, None, body.encoding_format == "base64", body.dimensions)
+
+
+def validate_embed(body: EmbedRequest, header_timeout: str | None, limits: Limits,
+                   arrived: float | None = None) -> EmbedJob:
+    one = isinstance(body.inputs, str)
+    common = _texts([body.inputs] if one else list(body.inputs), "inputs", one, body.model, body.timeout,
+                    header_timeout, limits, arrived)
+    return EmbedJob(common, body.truncate, body.normalize, False, None)

@@ -43,5 +43,8 @@ def on_cpu(worker):
     worker.model.device = "cpu"
     worker.encoder.device_type = "cpu"
     if worker.decoder is not None:
-        worker.decoder.device_type = "cpu"
+        decoder = worker.decoder
+        decoder.device_type = decoder.encoder.device_type = decoder.regroup.device_type = "cpu"
+        if decoder.fixed is not None:  # the CPU provider captures nothing: fixed shapes, replayed as runs
+            decoder.fixed.cuda_graph = False
     return worker

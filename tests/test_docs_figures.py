@@ -49,6 +49,16 @@ FIGURES = [
     ("summarize-aclsum.json", "model", "all", rouge, (README, MODELS_MD, SUMMARIZE_CARD)),
     ("summarize-aclsum.json", "lead", "all", rouge, (README, MODELS_MD, SUMMARIZE_CARD)),
     ("qa-pkg-test.json", "model", "all", em_f1, (README, MODELS_MD, QA_CARD)),
+    ("qa-pkg-test.json", "model", "beyond-512", em_f1, (MODELS_MD,)),
+    ("qa-pkg-test.json", "first-512", "all", em_f1, (README, MODELS_MD)),
+    ("qa-page-test.json", "model", "all", em_f1, (README, MODELS_MD)),
+    ("qa-page-test.json", "model", "beyond-512", em_f1, (MODELS_MD,)),
+    ("qa-page-test.json", "model", "within-512", em_f1, (MODELS_MD,)),
+    ("qa-page-test.json", "first-window", "all", em_f1, (MODELS_MD,)),
+    ("qa-page-test.json", "first-window", "beyond-512", em_f1, (MODELS_MD,)),
+    ("qa-page-test.json", "first-512", "all", em_f1, (README, MODELS_MD)),
+    ("qa-page-test.json", "first-512", "beyond-512", em_f1, (MODELS_MD,)),
+    ("qa-page-test.json", "first-512", "within-512", em_f1, (MODELS_MD,)),
     ("classify-test.json", "model", "all", accuracy, (README, MODELS_MD, CLASSIFY_CARD)),
     ("classify-test.json", "majority (3)", "all", accuracy, (README, MODELS_MD, CLASSIFY_CARD)),
 ]
@@ -76,18 +86,3 @@ def test_distinct_and_repeat_figures_are_the_measured_ones():
     r = row(results("summarize-pkg-test.json"), "model", "all")
     card = SUMMARIZE_CARD.read_text()
     assert f"{100 * r['distinct']:.1f}% distinct" in card and f"{100 * r['repeat3']:.1f}% repeat a word" in card
-
-
-def test_the_package_disjoint_gpu_run_is_stated_as_measured():
-    """docs/model-summarize.md's run A (issue 27): its figures on the package-disjoint test pages, beam 4
-    and greedy, and lead-description's, as `longdoc eval` wrote them (docs/results/gpu-pkg-mix/), with
-    the commands that wrote them."""
-    doc = " ".join((ROOT / "docs" / "model-summarize.md").read_text().split())
-    for name in ("summarize-pkg-test-beam4.json", "summarize-pkg-test-greedy.json"):
-        report = results(f"gpu-pkg-mix/{name}")
-        assert report["command"].startswith("longdoc eval /tmp/sum-mix --data data/cache/manpages-broad/summarize_pkg-test.jsonl")
-        assert rouge(row(report, "model", "all")) in doc, name
-        assert rouge(row(report, "lead-description", "all")) in doc, name
-    beam = results("gpu-pkg-mix/summarize-pkg-test-beam4.json")
-    for system in ("model", "lead-description"):
-        assert rouge(row(beam, system, "beyond-window")) in doc, system

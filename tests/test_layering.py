@@ -40,3 +40,44 @@ def test_model_export_service_do_not_import_longdoc_testing():
 
 def test_bench_scripts_leave_sys_path_alone():
     assert offenders(tracked("bench/*.py"), r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=") == []
+
+
+def service_imports() -> dict[str, set[str]]:
+    """longdoc.service's modules -> the longdoc.service modules each imports, at module level or
+    inside a function (a function-level import is still an edge a reader must follow)."""
+    import ast
+
+    modules = {".".join(("longdoc", *f.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): f
+               for f in (ROOT / "service").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+        graph[name] = {e for e in edges if e in modules and e != name and e not in ("longdoc.service",)}
+    return graph
+
+
+def test_service_modules_import_each_other_without_a_cycle():
+    graph = service_imports()
+    assert {"longdoc.service.core", "longdoc.service.frontends", "longdoc.service.tasks.qa"} <= set(graph)
+    assert "longdoc.service.batcher" in graph["longdoc.service.core"]  # the reader sees the edges
+    done, path = set(), []
+
+    def visit(module: str) -> None:  # depth first; a module met again on the current path closes a cycle
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

@@ -108,6 +108,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Windows per request", "short", (
             ("{{endpoint}} mean", mean("longdoc_windows_per_request", "endpoint", where=EP)),
         ), "Documents longer than the model are split into overlapping windows."),
+        Panel("Time to first token, streamed summaries (p50 / p95)", "s", tuple(
+            (f"{{{{model}}}} p{int(q * 100)}", quantile(q, "longdoc_time_to_first_token_seconds", "model"))
+            for q in (0.5, 0.95)
+        ), "Received to the first token event: tokenization, queue, encoder and the first decoder step "
+           "(a beam search sends its tokens when it ends)."),
     )),
     ("Batching", (
         Panel("Batch size (sequences per batch)", "short", (

@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from longdoc.export.generation import generated_tokens
-from longdoc.model.search import SearchSettings, beam_search, greedy_search
+from longdoc.model.search import SearchSettings, StepConstraints, beam_search, constrained_argmax, greedy_search
 from longdoc.service.workers import EncoderBatch, ModelInfo
 
 
@@ -36,8 +36,12 @@ def fake_tokenizer(extra_words: int = 200) -> Tokenizer:
 
 class FakeWorker:
     """qa: start and end logits peak on the token "gold"; classify: logits = counts of "bad" and
-    "good" per window (labels bad, good); summarize: copies the document's first tokens, then
-    eos. `delay_s` sleeps per run/step; `fail_runs` makes that many runs raise."""
+    "good" per window (labels bad, good); embed: per window, the share of its tokens that are each
+    of FAKE_WORDS (a vector of len(FAKE_WORDS), normalized by the service); summarize: copies the
+    document's first tokens, then eos. `delay_s` sleeps per run/step; `fail_runs` makes that many
+    runs raise."""
+
+    overlaps_encoding = False
 
     def __init__(self, name: str = "fake", task: str = "qa", max_length: int = 64, block_size: int = 8,
                  delay_s: float = 0.0, fail_runs: int = 0, summary_tokens: int = 6, max_batch_tokens: int = 4096):
@@ -47,6 +51,8 @@ class FakeWorker:
             name=name, task=task, max_length=max_length, block_size=block_size, tokenizer=self.tokenizer,
             special_tokens=dict(FAKE_SPECIALS), labels=("bad", "good") if task == "classify" else None,
             plan="hf-eval", max_new_tokens=64, generation=dict(FAKE_GENERATION),
+            embedding={"pooling": "mean", "normalize": True} if task == "embed" else None,
+            hidden_size=len(FAKE_WORDS),
         )
         self.max_batch_tokens = max_batch_tokens
         self.delay_s = delay_s
@@ -85,6 +91,10 @@ class FakeWorker:
         if self.info.task == "qa":
             hit = (ids == vocab["gold"]).astype(np.float32) * 10.0
             return {"start_logits": hit, "end_logits": hit.copy()}
+        if self.info.task == "embed":  # mean "pooling" over the real tokens of each row
+            real = batch.attention_mask.astype(np.float32)
+            counts = np.stack([((ids == vocab[w]) * real).sum(axis=1) for w in FAKE_WORDS], axis=1)
+            return {"embedding": (counts / real.sum(axis=1, keepdims=True)).astype(np.float32)}
         bad = (ids == vocab["bad"]).sum(axis=1)
         good = (ids == vocab["good"]).sum(axis=1)
         return {"logits": np.stack([bad, good], axis=1).astype(np.float32)}
@@ -96,6 +106,9 @@ class FakeWorker:
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
         self.steps.append(len(states))
         return self._next_logits(states)
+
+    def step_greedy(self, states: list[Any], tokens: list[int], constraints: list[StepConstraints]) -> list[int]:
+        return [constrained_argmax(row, c) for row, c in zip(self.step(states, tokens), constraints)]
 
     def release(self) -> None:
         pass

@@ -252,6 +252,59 @@ def make_tiny_modernbert(directory, task: str, seed: int = 0, **overrides) -> Pa
     return directory
 
 
+SENTENCE_FAMILIES = ("bert", "big_bird", "modernbert")
+
+
+def make_tiny_sentence_transformer(directory, family: str = "bert", pooling: str = "mean", normalize: bool = True,
+                                   max_seq_length: int | None = 128, seed: int = 0, **overrides) -> Path:
+    """A sentence-transformers folder as `SentenceTransformer.save` writes one, around a random-init bare
+    encoder saved by transformers (BertModel: hidden 32, 2 layers, 2 heads, 512 positions; BigBirdModel:
+    the tiny BigBird's shape; ModernBertModel: `make_tiny_modernbert`'s) with the tiny tokenizer:
+    modules.json (Transformer, Pooling[, Normalize]), 1_Pooling/config.json (`pooling`: "mean", "cls"
+    or another sentence-transformers mode), sentence_bert_config.json (`max_seq_length`)."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    if family == "bert":
+        config = transformers.BertConfig(
+            vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=512, pad_token_id=PAD, initializer_range=0.25, **overrides)
+        module = transformers.BertModel(config)
+    elif family == "big_bird":
+        config = transformers.BigBirdConfig(**{**tiny_config("mlm"), **overrides})
+        module = transformers.BigBirdModel(config)
+    elif family == "modernbert":
+        config = transformers.ModernBertConfig(**{**dict(
+            vocab_size=vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            local_attention=16, global_attn_every_n_layers=2, global_rope_theta=2000.0, local_rope_theta=50.0,
+            max_position_embeddings=512, initializer_range=0.1, pad_token_id=PAD, bos_token_id=CLS, cls_token_id=CLS,
+            eos_token_id=SEP, sep_token_id=SEP, attn_implementation="eager"), **overrides})
+        module = transformers.ModernBertModel(config)
+    else:
+        raise ValueError(f"family must be one of {SENTENCE_FAMILIES}")
+    nudge_vectors(module.eval(), 0.05)
+    module.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(  # what sentence-transformers' AutoTokenizer reads
+        {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]"}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2))
+    (directory / "1_Pooling").mkdir()
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
+    wanted = {"cls": "cls_token", "mean": "mean_tokens"}.get(pooling, pooling)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config.hidden_size, **{f"pooling_mode_{m}": m == wanted for m in modes}}))
+    st_config = {"do_lower_case": False} if max_seq_length is None else {"max_seq_length": max_seq_length,
+                                                                           "do_lower_case": False}
+    (directory / "sentence_bert_config.json").write_text(json.dumps(st_config))
+    return directory
+
+
 def make_tiny_encoder_decoder(directory, seed: int = 0, **overrides) -> Path:
     """A transformers EncoderDecoderModel saved with the tiny tokenizer: block_size 16, 2 random
     blocks (full attention up to 144 tokens), 512 encoder positions, 64 decoder positions;

@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse
 from longdoc.model.tokenization import SummaryStream, summary_text
 from longdoc.service import host as H
 from longdoc.service.batcher import RequestState
-from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, ServedModel, Service, Timing, arrived
+from longdoc.service.core import ERROR_RESPONSES, MeasuredStream, Service, Timing, arrived
+from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, ShuttingDown
+from longdoc.service.metrics import length_label
 from longdoc.service.validation import (
     SSE_EVENT_SCHEMA, SummarizeRequest, SummarizeResponse, summarize_search, validate_summarize,
 )
@@ -28,8 +30,8 @@ router = APIRouter()
                              "description": "JSON; with `stream: true`, server-sent events"}})
 async def summarize(body: SummarizeRequest, request: Request):
     """Summarize each document (truncated at the encoder's maximum; `usage.truncated` says so).
-    With `stream: true`, server-sent events: `token` events `{"id", "text"}`, then `done`
-    with the whole result, or `error` with the error shape."""
+    With `stream: true`, server-sent events: `token` events `{"ids", "text"}` (the text never
+    empty), then `done` with the whole result, or `error` with the error shape."""
     service: Service = request.app.state.service
     job = validate_summarize(body, request.headers.get("x-request-timeout"), service.limits, arrived(request))
     model = service.model_for("summarize", job.common.model)
@@ -56,7 +58,7 @@ async def summarize(body: SummarizeRequest, request: Request):
             timing.queue = time.monotonic() - t
             ids, n, truncated = prepared[0]
             return MeasuredStream(
-                _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model),
+                _sse(it, head, tok, {"tokens": n, "windows": 1, "truncated": truncated}, service, model, timing.start),
                 media_type="text/event-stream", headers={"cache-control": "no-store"},
             ), model, n_tokens
         generated = await asyncio.gather(*(_collect(s) for s in streams))
@@ -73,12 +75,16 @@ async def _collect(stream) -> list[int]:
     return [t async for t in stream]
 
 
-async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel):
-    """Server-sent events: `token` per token (`head` were already taken from `it`), then `done`;
+async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, model: ServedModel,
+               started: float):
+    """Server-sent events: `token` per piece of text with its tokens' ids (`head` were already
+    taken from `it`; a token whose text the decoding holds back, a "-" that may become a hyphen,
+    rides with the next piece, and a dangling one at the end, dropped from the summary, with none), then `done`;
     `error` on failure or when the shutdown grace runs out; a `: keep-alive` comment after every
     `stream_keepalive_s` without a token (a beam search sends nothing until it ends), which also
     finds a client that went away (the write fails) so that the search stops."""
     ids: list[int] = []
+    held: list[int] = []  # tokens not yet sent: their text is not settled (SummaryStream)
     text = SummaryStream(tokenizer)
     grace_over = asyncio.ensure_future(service.drain_expired.wait())
     pending = None  # the next item of `it`, being awaited
@@ -95,13 +101,19 @@ async def _sse(it, head: list[int], tokenizer, usage: dict, service: Service, mo
                     if item is None:
                         break
                 elif grace_over in done:
-                    raise ShuttingDown("server is shutting down; the stream did not finish within the "
-                                       f"{service.settings.shutdown_grace_s:g} s grace period")
+                    raise ShuttingDown(service.shutdown_message("stream"))
                 else:
                     yield ": keep-alive\n\n"
                     continue
             ids.append(item)
-            yield f"event: token\ndata: {json.dumps({'id': item, 'text': text.add(item)})}\n\n"
+            held.append(item)
+            if piece := text.add(item):  # a token whose text is held back rides with the next piece
+                if len(held) == len(ids):  # the first token event: the client's time to first token
+                    service.metrics.time_to_first_token_seconds.labels(
+                        model.info.name, length_label(usage["tokens"], model.length_bounds)).observe(
+                        time.monotonic() - started)
+                yield f"event: token\ndata: {json.dumps({'ids': held, 'text': piece})}\n\n"
+                held = []
         result = {"summary": summary_text(tokenizer, ids), "generated_tokens": len(ids), "usage": usage}
         yield f"event: done\ndata: {json.dumps({'model': model.info.name, 'results': [result]})}\n\n"
     except ServiceError as exc:

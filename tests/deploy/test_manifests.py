@@ -243,6 +243,19 @@ def test_compose_wires_the_generated_files():
     assert compose["services"]["longdoc"]["build"]["dockerfile"] == "docker/Dockerfile"
 
 
+def test_compose_serves_every_default_model():
+    """Issue 38, item 9: compose.yaml served only qa. It names each shipped model (models/pyproject.toml)
+    at its mount under /models, and the settings parse as the service reads them."""
+    from longdoc.service.settings import Settings
+    from tests.test_packaging import shipped_names
+
+    service = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())["services"]["longdoc"]
+    assert "../models:/models:ro" in service["volumes"]
+    models = json.loads(service["environment"]["LONGDOC_MODELS"])
+    assert models == {name: f"/models/{name}" for name in shipped_names()}
+    assert set(Settings(models=models).models) == {"qa", "summarize", "classify"}
+
+
 def test_dashboard_layout_and_variables(monitoring):
     board = json.loads((ROOT / "deploy/base/grafana-dashboard.json").read_text())
     panels = board["panels"]

@@ -149,7 +149,7 @@ def test_sparse_scores_are_written_once(qa_model):
     ids = rng.integers(7, 300, (2, S))
     mask = np.ones_like(ids)
     mask[1, 200:] = 0  # a padded row: the bias is not all zeros
-    feed, _ = qa_model._encoder_feed(ids, mask)
+    feed, _ = qa_model.encoder_feed(ids, mask)
     assert qa_model._layouts and {key[1] for key in qa_model._layouts} >= {"block_sparse"}
     sizes: dict = {}
     for (layer, op), value in zip(probes.values(), session.run(list(probes), feed)):
@@ -289,14 +289,16 @@ def test_manifest_special_tokens_are_complete(tiny_qa_dir, tiny_summarize_dir):
 
 
 def test_tokenizer_files_name_the_special_tokens(tmp_path):
-    """special_tokens_map.json wins over config ids (what the tokenizer really emits)."""
+    """special_tokens_map.json wins over config ids (what the tokenizer really emits). (A classifier:
+    BigBird QA reads sep_token_id from its config, and export refuses one that disagrees,
+    tests/export/test_special_token_ids.py.)"""
     import json
 
     from longdoc.testing.tiny_models import CLS
 
-    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qa")
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "classify")
     (ckpt / "special_tokens_map.json").write_text(json.dumps({"sep_token": "[CLS]"}))
-    manifest = export_model(ckpt, tmp_path / "model", "qa", progress=quiet)
+    manifest = export_model(ckpt, tmp_path / "model", "classify", progress=quiet)
     assert manifest.special_tokens["sep"] == CLS
 
 

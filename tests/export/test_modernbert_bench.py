@@ -1,6 +1,6 @@
 """bench/modernbert.py (issue 28 item 5) runs end to end on the tests' tiny ModernBERT (`--quick`):
 its results file has every system at every length, each measured or failed with a reason, ours
-agree with transformers, and the table of docs/modernbert.md is what `markdown_table` makes from
+agree with transformers, and the table of docs/benchmarks.md is what `markdown_table` makes from
 docs/modernbert.json (a figure cannot outlive its measurement)."""
 
 from __future__ import annotations
@@ -60,30 +60,7 @@ def test_every_option_shows_its_default():
 
 def test_the_table_in_the_docs_is_the_results_file():
     results = json.loads((ROOT / "docs" / "modernbert.json").read_text())
-    doc = (ROOT / "docs" / "modernbert.md").read_text()
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
     assert bench_module().markdown_table(results) in doc
     assert results["command"] in doc and results["config"] == "base"
     assert results["lengths"] == [2048, 4096, 8192]
-
-
-def test_the_attention_ops_table_in_the_docs_is_its_results_file():
-    results = json.loads((ROOT / "docs" / "attention_ops.json").read_text())
-    doc = (ROOT / "docs" / "modernbert.md").read_text()
-    assert load_bench("attention_ops").markdown_table(results) in doc and results["command"] in doc
-    assert results["length"] == 8192 and results["failed"] == {}
-
-
-def test_attention_ops_script_compares_the_same_computation(tmp_path):
-    """bench/attention_ops.py (docs/modernbert.md, "Where the time goes") runs at a small length:
-    every variant runs, and the fused ones (ONNX's Attention, ONNX Runtime's MultiHeadAttention)
-    and the export's own chunked group compute what the folded-bias attention computes, padded keys
-    included."""
-    ops = load_bench("attention_ops")
-    out = tmp_path / "ops.json"
-    assert ops.main(["--length", "200", "--heads", "2", "--reps", "1", "--threads", "1", "--json", str(out)]) == 0
-    results = json.loads(out.read_text())
-    assert results["failed"] == {}
-    assert set(results["best_s"]) == {"qk", "qk+bias", "qk-folded", "softmax", "pv", "pv-int8", "quantize-p",
-                                      "layer-folded", "layer-chunked", "attention-23", "mha"}
-    assert set(results["max_diff_vs_layer_folded"]) == {"layer-folded", "layer-chunked", "attention-23", "mha"}
-    assert max(results["max_diff_vs_layer_folded"].values()) < 1e-5

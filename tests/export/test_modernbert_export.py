@@ -10,7 +10,6 @@ Checkpoints are made by transformers (longdoc/testing/tiny_models.py `make_tiny_
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -19,9 +18,8 @@ import pytest
 import torch
 
 from longdoc.export.census import check_graph, op_census
-from longdoc.export.exporter import CheckpointError, export_model, exportable_model_types, read_config
+from longdoc.export.exporter import export_model, exportable_model_types, read_config
 from longdoc.export.manifest import Manifest
-from longdoc.export.registry import LOWERINGS, build_refused
 from longdoc.export.runtime import OnnxModel
 from longdoc.export.verify import VerifyError, verify_model
 from longdoc.model.layout import modernbert_layer_specs, modernbert_layer_types
@@ -147,7 +145,7 @@ def attention_probabilities(onnx_model: OnnxModel, S: int) -> dict[int, int]:
                               for name in probes)
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     ids, mask = batch(S, 1, seed=S)
-    feed, _ = onnx_model._encoder_feed(ids, mask)
+    feed, _ = onnx_model.encoder_feed(ids, mask)
     sizes: dict[int, int] = {}
     for name, value in zip(probes, session.run(list(probes), feed)):
         sizes[probes[name]] = sizes.get(probes[name], 0) + value.size
@@ -182,7 +180,7 @@ def test_full_layers_write_the_scores_once(modernbert):
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     S, heads = 96, 4
     ids, mask = batch(S, 2, seed=5)  # the second row is padded: the bias is not all zeros
-    feed, _ = onnx_model._encoder_feed(ids, mask)
+    feed, _ = onnx_model.encoder_feed(ids, mask)
     square = sorted(probes[name] for name, value in zip(probes, session.run(list(probes), feed))
                     if value.size >= 2 * heads * S * S)
     assert square == ["MatMul", "MatMul", "Softmax", "Softmax"]  # per full layer: Q.K^T and its softmax
@@ -215,7 +213,7 @@ def test_full_layers_run_their_queries_in_chunks_exactly(modernbert, tmp_path, m
     graph.graph.output.extend(onnx.helper.make_tensor_value_info(name, types[name], None) for name in probes)
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     S, heads, B = 96, 4, 2  # padded to 96: 4 chunks of 24 rows
-    feed, _ = chunked._encoder_feed(*batch(S, B, seed=5))
+    feed, _ = chunked.encoder_feed(*batch(S, B, seed=5))
     sizes = [(probes[name], value.size) for name, value in zip(probes, session.run(list(probes), feed))]
     assert max(size for _, size in sizes) == B * heads * 24 * S
     assert sorted(op for op, size in sizes if size == B * heads * 24 * S) == ["MatMul"] * 4 + ["Softmax"] * 4
@@ -292,20 +290,5 @@ def test_every_layer_types_spelling_is_the_model_files():
         modernbert_layer_specs({"num_hidden_layers": 2, "local_attention": 1})
 
 
-def test_a_lowering_not_written_yet_is_refused_by_name(modernbert, monkeypatch, tmp_path):
-    """`Lowering.not_implemented` (what ModernBERT had before this export): refused in read_config,
-    before any weight is read, nothing written; no --task hint names it."""
-    why = "export of this architecture is not implemented yet"
-    monkeypatch.setitem(LOWERINGS, "modernbert", dataclasses.replace(LOWERINGS["modernbert"], build=build_refused,
-                                                                     not_implemented=why))
-    with pytest.raises(CheckpointError, match=why):
-        export_model(modernbert["mlm"][0], tmp_path / "out", task="mlm", progress=quiet)
-    assert not (tmp_path / "out").exists()
-    assert "modernbert" not in exportable_model_types("mlm")
-    with pytest.raises(NotImplementedError, match=why):
-        build_refused(None, {"model_type": "modernbert"}, None)
-
-
 def test_every_architecture_exports():
-    assert [t for t, lowering in LOWERINGS.items() if lowering.not_implemented] == []
     assert "modernbert" in exportable_model_types("mlm") and "modernbert" in exportable_model_types("qa")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ from longdoc.testing.tiny_models import make_tiny_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 # generic code: reads records, never names an architecture
 GENERIC = ("export/exporter.py", "export/verify.py", "model/checkpoint.py", "model/train.py")
-MODEL_TYPES_NAMED = re.compile(r"big_bird|bigbird_pegasus|longformer|led|encoder-decoder")
-CLASS_NAMED = re.compile(r"(BigBird|Longformer|LED|EncoderDecoder)\w*(Model|For\w+)")
+# every registered model type and architecture class name (a new family is covered once registered)
+NAMES = set(REGISTRY) | {name for a in REGISTRY.values() for name in (*a.classes, *a.exports())}
 
 
 def architecture_questions(source: str) -> list[str]:
@@ -34,7 +33,7 @@ def architecture_questions(source: str) -> list[str]:
                         for c in (node.left, *node.comparators))):
             found.append(node)  # compared with a literal: a registry lookup is not a question
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-              and (MODEL_TYPES_NAMED.fullmatch(node.value) or CLASS_NAMED.fullmatch(node.value))):
+              and node.value in NAMES):
             found.append(node)
     return [f"{node.lineno}: {ast.unparse(node)}" for node in found]
 
@@ -53,7 +52,8 @@ def test_the_question_finder_finds_questions():
     # the branches the registry replaced (export/exporter.py, model/train.py before it)
     for line in ('x = config["model_type"] == "longformer"', 'y = config.get("model_type") in ("longformer", "led")',
                  'def f():\n    return "EncoderDecoderModel"', "led = cfg.model_type != WANT[0:1] or model_type in (a, b)",
-                 'a = {"qa": "BigBirdForQuestionAnswering"}'):
+                 'a = {"qa": "BigBirdForQuestionAnswering"}', 'b = ("modernbert", 1)',
+                 'c = {"qa": "ModernBertForQuestionAnswering"}'):
         assert architecture_questions(line), line
     assert not architecture_questions('def f():\n    """e.g. "BigBirdModel" or "led"."""\n    return "a Longformer model"')
 

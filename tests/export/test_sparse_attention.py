@@ -12,20 +12,22 @@ from onnx import TensorProto
 
 from longdoc.export.graph import GraphBuilder
 from longdoc.export.layout_feed import _feed as layout_inputs
-from longdoc.export.layout_feed import dense_layout_feed
+from longdoc.export.layout_feed import dense_layout_feed, without_window
+from longdoc.export.manifest import SPARSE_GATHER
 from longdoc.export.sparse_attention import attention_context, block_sparse_attention, declare_layout_inputs
 
 H, D, BS = 2, 4, 4
 
 
-def attention_graph(dtype="fp32", heads_per_group=None, sparse=True):
+def attention_graph(dtype="fp32", heads_per_group=None, sparse=True, gather="gather"):
     g = GraphBuilder("attn", dtype)
     for name in ("q", "k", "v"):
         g.input(name, g.float_type, ["B", "S", H * D])
     g.input("attention_mask", TensorProto.INT64, ["B", "S"])
     if sparse:
         declare_layout_inputs(g)
-    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=sparse, heads_per_group=heads_per_group)
+    ctx = attention_context(g, "attention_mask", BS, H, D, sparse=sparse, heads_per_group=heads_per_group,
+                            gather=gather)
     g.output(block_sparse_attention(g, "q", "k", "v", 0, ctx), "out", None, ["B", "S", H * D])
     return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -137,6 +139,64 @@ def test_fp16_graph_runs(dtype):
     want = oracle(*(t.astype(np.float32) for t in (q, k, v)), np.ones((1, S)), kb[0], np.ones(kb.shape[1:], bool),
                   np.arange(nb) == 0)
     np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2)
+
+
+# --- how the windows gather their blocks (`longdoc export --sparse-gather`) -------------------
+
+GATHERS = {gather: attention_graph(gather=gather, heads_per_group=1) for gather in SPARSE_GATHER}
+
+
+def window_table(rng, nb: int, extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """(1, H, nb, 3 + extra) tables whose rows hold their 3-block window (the blocks that exist, in a
+    random slot order) and `extra` random slots, some invalid: what BigBird's tables look like."""
+    key_blocks = rng.integers(0, nb, (1, H, nb, 3 + extra))
+    valid = rng.random(key_blocks.shape) < 0.7
+    for h in range(H):
+        for i in range(nb):
+            slots = rng.permutation(3 + extra)[:3]
+            for slot, j in zip(slots, (i - 1, i, i + 1)):
+                key_blocks[0, h, i, slot], valid[0, h, i, slot] = max(0, min(j, nb - 1)), 0 <= j < nb
+    return key_blocks, valid
+
+
+@settings(max_examples=25, deadline=None)
+@given(nb=st.integers(1, 9), extra=st.integers(0, 4), batch=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_every_sparse_gather_equals_the_oracle(nb, extra, batch, seed):
+    """Gather (per head group or all heads), the one-hot product and the window's slices: the same
+    attention, each fed its tables (a `window` graph: `without_window`'s); blocks listed twice
+    count twice; global rows as the layout says."""
+    rng = np.random.default_rng(seed)
+    S = nb * BS
+    q, k, v = (rng.standard_normal((batch, S, H * D)).astype(np.float32) for _ in range(3))
+    key_blocks, valid = window_table(rng, nb, extra)
+    global_rows = rng.random(nb) < 0.3
+    valid[:, :, global_rows] = False  # a global row lists nothing (model/layout.py `_pack`)
+    lengths = rng.integers(1, S + 1, batch)
+    lengths[0] = S
+    mask = (np.arange(S)[None] < lengths[:, None]).astype(np.int64)
+    feed = layout_inputs(key_blocks, valid, np.flatnonzero(global_rows), nb)
+    want = oracle(q, k, v, mask, key_blocks[0], valid[0], global_rows)
+    real = mask.astype(bool)
+    for gather, session in GATHERS.items():
+        tables = without_window(feed, 3) if gather == "window" else feed
+        got = session.run(None, {"q": q, "k": k, "v": v, "attention_mask": mask, **tables})[0]
+        np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=1e-5, err_msg=gather)
+
+
+def test_without_window_keeps_the_other_slots_in_order_and_refuses_a_row_without_its_window():
+    key_blocks = np.array([[[[0, 1, 9, 9],  # row 0: window {0, 1} (block -1 does not exist)
+                             [2, 0, 1, 2],  # row 1: window {0, 1, 2}; block 2 listed twice counts twice
+                             [0, 0, 0, 0],  # row 2: global, lists nothing
+                             [9, 2, 3, 0]]]])  # row 3: window {2, 3} (block 4 does not exist); 9 invalid
+    valid = np.array([[[[True, True, False, False], [True, True, True, True], [False] * 4,
+                        [False, True, True, True]]]])
+    out = without_window({"layout_key_blocks": key_blocks, "layout_valid": valid, "global_blocks": np.array([2])}, 3)
+    assert out["layout_valid"].tolist() == [[[[False], [True], [False], [True]]]]
+    assert out["layout_key_blocks"][0, 0, [1, 3], 0].tolist() == [2, 0]
+    assert out["global_blocks"].tolist() == [2]
+    valid[0, 0, 1, 2] = False  # row 1 no longer lists block 1 (slot 2)
+    with pytest.raises(ValueError, match="query block 1 does not attend to block 1"):
+        without_window({"layout_key_blocks": key_blocks, "layout_valid": valid}, 3)
 
 
 # --- Longformer: band + per-request global tokens ---------------------------------------------

@@ -43,7 +43,7 @@ def test_a_run_needs_its_task_model_data_and_output():
 
 
 def test_a_recipes_own_default_is_the_one_its_help_shows():
-    """A script that changes a field's default (data/train_default_summarize, bench/train_precision)
+    """A script that changes a field's default (data/train_default_summarize)
     shows that default, not the field's own "(default: ...)" sentence."""
     from longdoc.model.train_config import add_train_arguments
 

@@ -86,14 +86,12 @@ def fake_factory(restarts_fail: bool = False, **per_task):
 
 
 @contextlib.asynccontextmanager
-async def running_app(factory=None, engine: str | None = None, **overrides):
-    """The app in-process (httpx's ASGI transport), host work in threads unless `host_processes`
-    says otherwise (tests patch the host functions of this process); with `engine`, a front end
-    of the engine process at that socket (service/frontends.py)."""
-    overrides.setdefault("host_processes", 0)
+async def running_app(factory=None, source=None, **overrides):
+    """The app in-process (httpx's ASGI transport); its models from `source` (service/engine.py
+    `ModelSource`; e.g. a front end's `RemoteModels`), else `factory`'s workers in this process."""
     settings = Settings(models=overrides.pop("models", {"qa": "qa", "cls": "classify", "sum": "summarize"}),
                         **overrides)
-    app = create_app(settings, worker_factory=factory or fake_factory(), engine=engine)
+    app = create_app(settings, worker_factory=factory or fake_factory(), models=source)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -122,7 +120,7 @@ def streamed_tokens(url: str, documents: list[str], max_new_tokens: int) -> list
             assert r.status_code == 200
             events = sse_events(r.iter_lines())
         assert events[-1][0] == "done"
-        out.append([d["id"] for n, d in events if n == "token"])
+        out.append([i for n, d in events if n == "token" for i in d["ids"]])
     return out
 
 
@@ -136,8 +134,6 @@ class ThreadServer:
     """uvicorn in a background thread on 127.0.0.1 (no signal handlers off the main thread)."""
 
     def __init__(self, settings: Settings, worker_factory=None):
-        if settings.host_processes is None:  # host work in threads, as running_app (timings of 0.2 s
-            settings = settings.model_copy(update={"host_processes": 0})  # hold on a loaded machine)
         self.app = create_app(settings, worker_factory=worker_factory)
         self.port = free_port()
         # the connection limits `longdoc serve` runs with (service/connections.py)

@@ -97,6 +97,45 @@ def test_summarize_streams_server_sent_events():
     assert '"summary": "w5 w6 w7"' in lines[-1]
 
 
+def test_streamed_token_events_never_carry_empty_text():
+    """Issue 38, item 9: a token whose text the decoding holds back (the shipped summarizer's
+    WordPiece "-", which the next token may make a hyphen: "current-based") was sent as an event
+    with "text": "". Its id now rides with the next event's text: every event has text, the texts
+    make the summary and the ids the generated tokens."""
+    import dataclasses
+    from pathlib import Path
+
+    from longdoc.model.tokenization import load_tokenizer
+    from longdoc.testing.fake_worker import FakeWorker
+    from tests.service.conftest import sse_events
+
+    real = load_tokenizer(Path(__file__).resolve().parents[2] / "models" / "summarize")
+
+    def factory(name, directory, device, settings):  # the fake summarizer, with the shipped tokenizer
+        w = FakeWorker(name=name, task="summarize", summary_tokens=20)
+        w.tokenizer, w.vocab_size = real, real.get_vocab_size()
+        w.info = dataclasses.replace(w.info, tokenizer=real)
+        return w
+
+    doc = "a current-based and built-in name -"
+
+    async def go():
+        async with running_app(factory, models={"sum": "summarize"}) as c:
+            async with c.stream("POST", "/v1/summarize", json={"document": doc, "stream": True}) as r:
+                assert r.status_code == 200
+                return sse_events([line async for line in r.aiter_lines()])
+
+    events = run(go())
+    tokens = [d for name, d in events if name == "token"]
+    final = events[-1][1]["results"][0]
+    assert final["summary"] == "a current-based and built-in name"
+    assert all(d["text"] for d in tokens), tokens
+    assert "".join(d["text"] for d in tokens) == final["summary"]
+    ids = real.encode(doc, add_special_tokens=False).ids
+    assert [i for d in tokens for i in d["ids"]] == ids[:-1]  # the dangling "-": no text, in no event
+    assert final["generated_tokens"] == len(ids)
+
+
 def test_iteration_level_batching_joins_running_batch():
     gate = threading.Event()
     factory = fake_factory(summarize={"gate": gate, "summary_tokens": 20})
@@ -228,16 +267,17 @@ def test_deadline_gives_504_and_skips_queued_windows():
     assert 1 <= len(qa.batches) < 8  # 400 tokens = 14 windows; the rest were dropped
 
 
+async def ready(client) -> bool:
+    return (await client.get("/readyz")).status_code == 200
+
+
 def test_worker_failure_gives_503_then_recovers():
     factory = fake_factory(qa={"fail_runs": 1})
 
     async def go():
         async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
             bad = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
-            for _ in range(100):
-                if (await c.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: ready(c), "the restarted worker made the server ready", 10)
             good = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
             metrics = (await c.get("/metrics")).text
             return bad, good, metrics
@@ -314,6 +354,49 @@ def test_draining_is_not_ready_and_refuses_new_work():
     assert post.status_code == 503
 
 
+def test_a_second_signal_says_the_grace_was_cut_short():
+    """Issue 38, item 9: after a second Ctrl-C at 0.5 s the 503 said "did not finish within the
+    30 s grace period". It now says that a second signal ended the grace, and when; a stream's
+    `event: error` says the same."""
+    import httpx
+
+    from longdoc.service.settings import Settings
+    from tests.service.conftest import ThreadServer, sse_events
+
+    gate = threading.Event()
+    factory = fake_factory(qa={"gate": gate}, summarize={"gate": gate})
+    settings = Settings(models={"qa": "qa", "sum": "summarize"}, warmup=False, shutdown_grace_s=30)
+    got = {}
+
+    def ask(url):
+        got["qa"] = httpx.post(url + "/v1/qa", json={"question": "q", "document": "a gold"}, timeout=30)
+
+    def stream(url):  # beam search: headers at once, the tokens at its end
+        with httpx.stream("POST", url + "/v1/summarize", timeout=30,
+                          json={"document": "w1 w2", "stream": True, "num_beams": 2}) as r:
+            got["stream"] = sse_events(r.iter_lines())
+
+    try:
+        with ThreadServer(settings, worker_factory=factory) as server:
+            threads = [threading.Thread(target=f, args=(server.url,)) for f in (ask, stream)]
+            for t in threads:
+                t.start()
+            until(lambda: len(factory.made) == 2 and all(w.entered.is_set() for w in factory.made),
+                  "both requests held by their workers")
+            service = server.app.state.service
+            service.begin_drain()  # the first Ctrl-C (service/cli.py)
+            service.begin_drain(grace_s=0)  # the second
+            for t in threads:
+                t.join(30)
+    finally:
+        gate.set()
+    assert got["qa"].status_code == 503, got["qa"].text
+    messages = [got["qa"].json()["error"]["message"], got["stream"][-1][1]["error"]["message"]]
+    for message in messages:
+        assert "within the 30 s grace period" not in message
+        assert "a second signal ended the 30 s grace period after 0." in message, message
+
+
 def test_settings_from_environment_and_flags(monkeypatch):
     import argparse
 
@@ -340,10 +423,7 @@ def test_decoder_failure_gives_503_then_recovers():
     async def go():
         async with running_app(factory, warmup=False, worker_restart_backoff_s=0.0) as c:
             bad = await c.post("/v1/summarize", json={"document": "w1 w2"})
-            for _ in range(100):
-                if (await c.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: ready(c), "the restarted decoder made the server ready", 10)
             good = await c.post("/v1/summarize", json={"document": "w1 w2"})
             return bad, good
 

@@ -152,3 +152,14 @@ def test_overlap_encoding_is_the_devices_default_unless_set(recorded_sessions, t
     add_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--no-overlap-encoding"])
     assert args.overlap_encoding is False
+
+
+def test_the_worker_protocol_names_what_the_batcher_reads():
+    """`overlaps_encoding` is part of the Worker protocol (the decode scheduler reads it on every
+    worker), and CudaWorker's docstring is its docstring (it followed a class attribute)."""
+    from longdoc.service.workers import CudaWorker, OnnxWorker, Worker
+    from longdoc.testing.fake_worker import FakeWorker
+
+    assert "overlaps_encoding" in Worker.__annotations__
+    assert [cls.overlaps_encoding for cls in (OnnxWorker, CudaWorker, FakeWorker)] == [False, True, False]
+    assert CudaWorker.__doc__.startswith("One GPU")

@@ -9,7 +9,10 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,31 +24,36 @@ import pytest
 from longdoc.model.search import resolve_settings
 from longdoc.service.batcher import RequestState
 from longdoc.service.core import Service
+from longdoc.service.engine import LocalModels
 from longdoc.service.errors import Overloaded, TooLarge, Unavailable
-from longdoc.service.frontends import EngineServer, error_from, error_payload
+from longdoc.service.frontends import EngineServer, RemoteModels, error_from, error_payload
 from longdoc.service.settings import Settings
+from tests.polling import until, until_async
 from tests.service.conftest import ServeProcess, fake_factory, running_app, sse_events
 
 MODELS = {"qa": "qa", "cls": "classify", "sum": "summarize"}
 
 
+async def readyz(client, status: int) -> bool:
+    return (await client.get("/readyz")).status_code == status
+
+
 @contextlib.asynccontextmanager
 async def front_end(factory=None, **overrides):
-    """An engine (a Service without host pool, its EngineServer on a Unix socket) and a front-end
-    app connected to it (`running_app`'s, same settings), in this loop; yields (an httpx client of
-    the front end, the engine's Service, its EngineServer)."""
+    """An engine (a Service of this process's models, its EngineServer on a Unix socket) and a
+    front-end app connected to it (`running_app`'s, same settings, its models `RemoteModels`), in
+    this loop; yields (an httpx client of the front end, the engine's Service, its EngineServer)."""
     settings = Settings(models=overrides.get("models", MODELS), **{k: v for k, v in overrides.items() if k != "models"})
-    engine = Service(settings, factory or fake_factory(), host=False)
+    engine = Service(settings, LocalModels(settings, factory or fake_factory()))
     await engine.start()
-    server = EngineServer(engine)
+    server = EngineServer(engine, front_ends=1)
     workdir = Path(tempfile.mkdtemp(prefix="longdoc-fe-test-"))  # short: a socket path has 108 bytes
     await server.start(workdir / "engine.sock")
     try:
-        async with running_app(engine=str(workdir / "engine.sock"), **overrides) as client:
-            deadline = time.monotonic() + 10
-            while (await client.get("/readyz")).status_code != 200:  # the first health reply
-                assert time.monotonic() < deadline, "the front end never became ready"
-                await asyncio.sleep(0.01)
+        remote = RemoteModels(str(workdir / "engine.sock"))
+        async with running_app(source=remote, **overrides) as client:
+            remote.serving()  # as uvicorn's startup says it (service/server.py)
+            await until_async(lambda: readyz(client, 200), "the front end became ready", 10)
             yield client, engine, server
     finally:
         server.close()
@@ -120,14 +128,9 @@ def test_a_cancelled_summary_leaves_the_engines_batch():
             with contextlib.suppress(asyncio.CancelledError):
                 await first
             await it.aclose()
-            deadline = time.monotonic() + 10
-            while not job.request.cancelled:
-                assert time.monotonic() < deadline, "the engine never heard of the cancel"
-                await asyncio.sleep(0.01)
+            await until_async(lambda: job.request.cancelled, "the engine heard of the cancel", 10)
             gate.set()
-            while scheduler.running or scheduler.pending:
-                assert time.monotonic() < deadline, "the job stayed in the batch"
-                await asyncio.sleep(0.01)
+            await until_async(lambda: not (scheduler.running or scheduler.pending), "the job left the batch", 10)
             return job
 
     job = asyncio.run(go())
@@ -142,14 +145,51 @@ def test_a_front_end_whose_engine_is_gone_is_not_ready_and_answers_503():
             for task in asyncio.all_tasks():  # the engine's connection handlers: the engine process died
                 if getattr(task.get_coro(), "__qualname__", "").startswith("EngineServer._serve"):
                     task.cancel()
-            deadline = time.monotonic() + 10
-            while (await client.get("/readyz")).status_code != 503:
-                assert time.monotonic() < deadline, "still ready"
-                await asyncio.sleep(0.01)
+            await until_async(lambda: readyz(client, 503), "not ready", 10)
             r = await client.post("/v1/classify", json={"documents": ["good"]})
             return r.status_code, r.json()["error"]["type"]
 
     assert asyncio.run(go()) == (503, "unavailable")
+
+
+def test_the_engine_is_ready_once_every_front_end_accepts_connections():
+    """The engine answers a front end's health poll with yes only while all `front_ends` of them
+    have said they accept connections (/readyz follows it), and no again when one is gone."""
+    from types import SimpleNamespace
+
+    async def go():
+        settings = Settings(models=MODELS)
+        engine = Service(settings, LocalModels(settings, fake_factory()))
+        await engine.start()
+        server = EngineServer(engine, front_ends=2)
+        workdir = Path(tempfile.mkdtemp(prefix="longdoc-fe-test-"))
+        await server.start(workdir / "engine.sock")
+        fronts = [RemoteModels(str(workdir / "engine.sock")) for _ in range(2)]
+        try:
+            models = [await f.open(SimpleNamespace(refresh_ready=lambda: None)) for f in fronts]
+            fronts[0].serving()
+            await until_async(lambda: len(server.serving) == 1, "the engine heard the first front end", 10)
+            assert engine.is_ready() and not server.is_ready()
+            fronts[1].serving()
+            await until_async(lambda: models[0]["qa"].engine.healthy(), "the first front end saw the engine ready", 10)
+            await fronts[1].close()
+            await until_async(lambda: not server.is_ready(), "not ready without the second front end", 10)
+        finally:
+            for f in fronts:
+                await f.close()
+            server.close()
+            await engine.stop()
+            (workdir / "engine.sock").unlink(missing_ok=True)
+            workdir.rmdir()
+
+    asyncio.run(go())
+
+
+def metrics_dir_of(engine_pid: int) -> str:
+    """The PROMETHEUS_MULTIPROC_DIR a running `longdoc serve --front-ends N` set for its processes
+    (as its front ends were started with it: the engine's own /proc environ is its first one)."""
+    environ = Path(f"/proc/{front_end_pids(engine_pid)[0]}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
 
 
 def front_end_pids(engine_pid: int) -> list[int]:
@@ -174,8 +214,6 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
 
     args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
             "--front-ends", "2"]
-    made = lambda: set(Path(tempfile.gettempdir()).glob("longdoc-metrics-*"))  # noqa: E731
-    before = made()
     key = {"Authorization": "Bearer k1"}  # the front ends get the engine's settings, keys included
     with ServeProcess(args, tmp_path / "serve.log", env={"LONGDOC_API_KEYS": "k1"}) as s:
         body = {"question": "where is the gold", "document": "the gold is in the cave by the sea"}
@@ -205,14 +243,13 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
         pids = front_end_pids(s.proc.pid)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while "starting it again" not in s.log_path.read_text() or len(front_end_pids(s.proc.pid)) < 2:
-            assert time.monotonic() < deadline, s.log_path.read_text()
-            time.sleep(0.1)  # polling another process's state with a deadline
+        until(lambda: "starting it again" in s.log_path.read_text() and len(front_end_pids(s.proc.pid)) == 2,
+              "the killed front end started again", 60)
         for _ in range(6):
             assert httpx.post(s.url + "/v1/qa", json=body, headers=key, timeout=60).status_code == 200
 
-        assert len(made() - before) == 1  # the processes' metrics directory
+        metrics_dir = Path(metrics_dir_of(s.proc.pid))  # the processes' metrics directory, made for them
+        assert metrics_dir.parent == Path(tempfile.gettempdir()) and metrics_dir.is_dir()
 
         decoding, events, times = threading.Event(), [], []
 
@@ -234,9 +271,103 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
         assert s.proc.wait(60) == 0
         assert sse_events(events)[-1][0] == "done" and times[-1] > sent  # it went on after the signal
         assert sse_events(events)[-1][1]["results"][0]["generated_tokens"] > 50  # not over at once
-    assert not front_end_pids(s.proc.pid) and made() == before
+    assert not front_end_pids(s.proc.pid) and not metrics_dir.exists()
 
 
 def test_front_ends_must_be_at_least_one():
     with pytest.raises(ValueError, match="front_ends"):
         Settings(front_ends=0)
+
+
+def _inodes(pid: int) -> set[str]:
+    """The socket inodes process `pid` holds open."""
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    return out
+
+
+def _serving_pid(client_ports: list[int], pids: list[int]) -> dict[int, int]:
+    """client port -> the front end (of `pids`) whose end of that loopback connection it is."""
+    peer_inode = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            peer_inode[int(fields[2].rsplit(":", 1)[1], 16)] = fields[9]  # rem_address's port -> inode
+    owner = {inode: pid for pid in pids for inode in _inodes(pid)}
+    return {port: owner.get(peer_inode.get(port)) for port in client_ports}
+
+
+def test_every_front_end_serves_connections_opened_before_and_after_readiness(tiny_qa_dir, tmp_path):
+    """Keep-alive connections opened as soon as the port takes them (front ends still starting) and
+    after /readyz says yes are spread over every front end, and each front end answers the
+    requests on its own (issue 37: opened before all listened, they piled onto the first one)."""
+    import socket
+
+    from tests.service.conftest import free_port
+
+    port, n = free_port(), 3
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--log-level", "warning",
+                             "--model", f"qa={tiny_qa_dir}", "--no-warmup", "--front-ends", str(n)],
+                            env=dict(os.environ, LONGDOC_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+
+    def connect():
+        with contextlib.suppress(OSError):
+            return socket.create_connection(("127.0.0.1", port), timeout=60)
+
+    body = json.dumps({"question": "where is the gold", "document": "the gold is in the cave"}).encode()
+    request = (f"POST /v1/qa HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    try:
+        early = [until(connect, "the port takes connections", 120)]
+        early += [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(29)]
+        probe = early.pop()  # answered by whichever front end is up first: the others are not yet
+        probe.sendall(b"GET /readyz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert probe.recv(64).startswith(b"HTTP/1.1 503"), "ready before every front end was serving"
+        until(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60).status_code == 200, "ready", 120)
+        late = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(30)]
+        pids = front_end_pids(proc.pid)
+        assert len(pids) == n
+        for group in (early, late):
+            for conn in group:
+                conn.sendall(request)
+            for conn in group:
+                assert conn.recv(65536).startswith(b"HTTP/1.1 200"), log.name
+            served = _serving_pid([c.getsockname()[1] for c in group], pids)
+            assert set(served.values()) == set(pids), served  # 30 connections: each of 3 misses all with p 2e-5
+        for conn in early + late + [probe]:
+            conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+
+
+def test_front_ends_exit_when_the_engine_is_killed(tiny_qa_dir, tmp_path):
+    """kill -9 of the engine (issue 38, item 4): its front ends exit, and the port is free for a
+    new server (they kept it, answering 503, before)."""
+    import socket
+
+    with ServeProcess(["--model", f"qa={tiny_qa_dir}", "--no-warmup", "--front-ends", "2"], tmp_path / "serve.log") as s:
+        pids = front_end_pids(s.proc.pid)
+        assert len(pids) == 2
+        metrics_dir = metrics_dir_of(s.proc.pid)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(10)
+
+        def gone(pid: int) -> bool:  # exited (a zombie until its new parent reaps it)
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                return True
+
+        until(lambda: all(gone(p) for p in pids), "the front ends exited", 60)
+        with socket.socket() as sock:  # as a new `longdoc serve` binds it (check_port, uvicorn)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", s.port))
+            sock.listen()
+    shutil.rmtree(metrics_dir)  # what a killed engine cannot remove

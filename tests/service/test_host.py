@@ -1,26 +1,20 @@
-"""The host pool (service/host.py): tokenization, windows and answer shaping in processes beside
-the event loop give the same answers and errors as in the server process; a deadline still
-holds while a pool process works; a pool process that dies is a 503, and the next request is
-served. And bench/host_path.py (the host path's capacity with a null engine) runs end to end."""
+"""The host path (service/host.py): tokenization, windows and answer shaping in the server's host
+threads answer and refuse as the API says; and bench/host_path.py (the host path's capacity with
+a null engine) runs end to end."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from longdoc.service import host as H
-from longdoc.service.errors import DeadlineExceeded, TooLarge, Unavailable
-from longdoc.service.settings import Settings
+from longdoc.service.errors import TooLarge
 from longdoc.testing.fake_worker import FakeWorker
 from tests.service.conftest import running_app, sse_events
 
@@ -42,10 +36,8 @@ REQUESTS = [
 ]
 
 
-async def _answers(processes: int) -> list:
-    async with running_app(host_processes=processes, max_document_tokens=200) as c:
-        if processes:
-            assert len(c.app.state.service.host.pids()) == processes
+async def _answers() -> list:
+    async with running_app(max_document_tokens=200) as c:
         out = []
         for path, body in REQUESTS:
             r = await c.post(path, json=body)
@@ -56,84 +48,27 @@ async def _answers(processes: int) -> list:
         return out
 
 
-def test_the_pool_answers_as_the_server_process_does():
-    in_process, pooled = asyncio.run(_answers(0)), asyncio.run(_answers(2))
-    assert [status for status, _ in in_process] == [200] * 7 + [413, 422, 422]
-    assert len(in_process[0][1]["results"]) == 3 and in_process[0][1]["results"][0]["usage"]["windows"] > 1
-    assert in_process[0][1]["results"][0]["answers"][0]["text"] == "gold"
-    assert pooled == in_process
+def test_the_host_functions_answer_and_refuse_through_the_app():
+    answers = asyncio.run(_answers())
+    assert [status for status, _ in answers] == [200] * 7 + [413, 422, 422]
+    assert len(answers[0][1]["results"]) == 3 and answers[0][1]["results"][0]["usage"]["windows"] > 1
+    assert answers[0][1]["results"][0]["answers"][0]["text"] == "gold"
 
 
-def _die(info):
-    os._exit(3)  # a pool process killed mid-call (out of memory, say)
-
-
-def _wait_on_fifo(info, path: str) -> str:
-    with open(path) as f:  # blocks until the test opens the other end
-        return f.read()
-
-
-def _pool(processes: int = 1) -> H.HostPool:
-    worker = FakeWorker(task="classify")
-    pool = H.HostPool({worker.info.name: worker.info}, processes, 1)
-    pool.start()
-    return pool
-
-
-def _classify_job(text: str):
+def test_a_document_over_the_token_limit_is_the_services_413():
     from longdoc.service.validation import ClassifyRequest, Limits, validate_classify
 
-    return validate_classify(ClassifyRequest(document=text), None, Limits(10_000, 4, 60.0, 600.0))
-
-
-def test_a_pool_process_that_dies_mid_call_is_a_503_and_the_pool_is_replaced():
-    pool = _pool()
     info = FakeWorker(task="classify").info
-    try:
-        async def go():
-            with pytest.raises(Unavailable, match="a host process died during tokenization"):
-                await pool.call(time.monotonic() + 60, "tokenization", _die, info)
-            # the next call runs in a new pool
-            return await pool.call(time.monotonic() + 60, "tokenization", H.prepare_classify, info,
-                                   _classify_job("good bad good"), None, 100)
-
-        ((windows, n),) = asyncio.run(go())
-        assert n == 3 and [list(w) for w in windows] == [[2, *info.tokenizer.encode("good bad good").ids, 3]]
-        with pytest.raises(TooLarge):  # the service's errors come back as themselves
-            asyncio.run(pool.call(time.monotonic() + 60, "tokenization", H.prepare_classify, info,
-                                  _classify_job("good bad good"), None, 2))
-    finally:
-        pool.shutdown()
+    job = validate_classify(ClassifyRequest(document="good bad good"), None, Limits(10_000, 4, 60.0, 600.0))
+    ((windows, n),) = H.prepare_classify(info, job, None, 100)
+    assert n == 3 and [list(w) for w in windows] == [[2, *info.tokenizer.encode("good bad good").ids, 3]]
+    with pytest.raises(TooLarge, match="3 tokens; the limit is 2"):
+        H.prepare_classify(info, job, None, 2)
 
 
-def _echo(info, payload: bytes, tag: int) -> tuple[int, bytes]:
-    return tag, payload[::-1]
-
-
-def test_calls_larger_than_the_pipe_come_back_whole_and_in_order():
-    """Frames of several MB (the socket takes a fraction at a time: the rest waits in the loop's
-    buffer, and the reply arrives in many reads) interleaved with small ones, all in flight at once."""
-    pool = _pool()
-    info = FakeWorker(task="classify").info
-    big = [os.urandom(3_000_000 + i) for i in range(3)]
-    try:
-        async def go():
-            calls = []
-            for i, payload in enumerate([big[0], b"a", big[1], b"bc", big[2]]):
-                calls.append(pool.call(time.monotonic() + 60, "tokenization", _echo, info, payload, i))
-            return await asyncio.gather(*calls)
-
-        got = asyncio.run(go())
-        assert [tag for tag, _ in got] == [0, 1, 2, 3, 4]
-        assert [reply for _, reply in got] == [big[0][::-1], b"a", big[1][::-1], b"cb", big[2][::-1]]
-    finally:
-        pool.shutdown()
-
-
-def test_qa_arrays_cross_the_pipe_as_int32():
-    """prepare_qa's ids, types and offsets are int32: half the bytes the event loop reads from the
-    pool (the batcher widens them as it copies them into its int64 batch; the pooled answers above
-    are the in-process ones)."""
+def test_qa_arrays_are_int32():
+    """prepare_qa's ids, types and offsets are int32: half the bytes that cross the engine socket
+    with --front-ends (the batcher widens them as it copies them into its int64 batch)."""
     from longdoc.service.validation import Limits, QARequest, validate_qa
 
     worker = FakeWorker(task="qa")
@@ -144,56 +79,29 @@ def test_qa_arrays_cross_the_pipe_as_int32():
     assert doc.offsets.tolist() == [list(o) for o in enc.offsets]
 
 
-def test_the_deadline_holds_while_a_pool_process_works(tmp_path):
-    fifo = tmp_path / "gate"
-    os.mkfifo(fifo)
-    pool = _pool()
-    info = FakeWorker(task="classify").info
-    try:
-        async def go():
-            with pytest.raises(DeadlineExceeded, match="during tokenization"):
-                await pool.call(time.monotonic() + 0.05, "tokenization", _wait_on_fifo, info, str(fifo))
+@pytest.mark.parametrize("prepare", ["qa", "classify", "summarize"])
+def test_a_document_over_the_token_limit_is_refused_after_its_first_limit_tokens(prepare):
+    """Issue 38, item 3: a 1.9 MB document under the byte limit but over the token limit was
+    tokenized whole (1.6-1.9 s of CPU on the shipped tokenizer) before its 413. Now the tokenizer
+    is given about the characters of its first `limit` tokens (and one chunk), counted here."""
+    import dataclasses
 
-        asyncio.run(go())
-    finally:
-        with open(fifo, "w") as f:  # let the call finish, unseen
-            f.write("done")
-        pool.shutdown()
+    from tokenizers import Tokenizer
 
+    from longdoc.service.validation import ClassifyJob, Common, QAJob, SummarizeJob
+    from tests.counting_tokenizer import CountingTokenizer
 
-def test_a_killed_pool_process_answers_503_then_the_service_recovers():
-    async def go():
-        async with running_app(host_processes=1) as c:
-            host = c.app.state.service.host
-            (pid,) = host.pids()
-            os.kill(pid, signal.SIGKILL)
-            r = await c.post("/v1/classify", json={"document": "good"})
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["type"] == "unavailable" and "host process died" in r.json()["error"]["message"]
-            assert r.headers["retry-after"] == "1"
-            r = await c.post("/v1/classify", json={"document": "good"})
-            assert r.status_code == 200, r.text
-            assert (await c.get("/readyz")).status_code == 200
-            metrics = (await c.get("/metrics")).text
-            assert 'longdoc_request_failures_total{endpoint="classify",reason="unavailable"} 1.0' in metrics
-
-    asyncio.run(go())
-
-
-def test_host_processes_default_to_the_usable_cores(monkeypatch, tmp_path):
-    monkeypatch.setattr(H, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
-    monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0})
-    assert Settings().host_process_count() == 0  # one core: threads, nothing to hand work to
-    monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
-    assert Settings().host_process_count() == 4
-    assert Settings(host_processes=0).host_process_count() == 0
-    assert Settings(host_processes=3).host_process_count() == 3
-    cpu_max = tmp_path / "cpu.max"
-    monkeypatch.setattr(H, "CGROUP_CPU_MAX", str(cpu_max))
-    cpu_max.write_text("250000 100000\n")  # a container limited to 2.5 CPUs
-    assert Settings().host_process_count() == 3
-    cpu_max.write_text("max 100000\n")
-    assert Settings().host_process_count() == 4
+    counting = CountingTokenizer(Tokenizer.from_file(str(ROOT / "models" / "qa" / "tokenizer.json")))
+    info = dataclasses.replace(FakeWorker(task=prepare, max_length=512).info, tokenizer=counting)
+    doc = ("The quick brown fox jumps over the lazy dog. " * 44_000)[:1_900_000]
+    common = Common(None, (doc,), float("inf"))
+    call = {"qa": lambda: H.prepare_qa(info, QAJob(common, "where is the fox", 1, 30), None, 65536),
+            "classify": lambda: H.prepare_classify(info, ClassifyJob(common, None), None, 65536),
+            "summarize": lambda: H.prepare_summarize(info, SummarizeJob(common, None, None, None, None, False), 65536)}
+    with pytest.raises(TooLarge, match=r"document has over 65536 tokens \(\d+ in its first \d+ of 1900000 "
+                                       r"characters\); the limit is 65536 tokens; the server's max_document_tokens"):
+        call[prepare]()
+    assert counting.characters < len(doc) / 4
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
@@ -203,56 +111,13 @@ def test_host_path_bench_runs(tmp_path):
     out, plot = tmp_path / "host.json", tmp_path / "host.png"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "host_path.py"), "--model-dir", str(ROOT / "models" / "qa"),
-         "--doc-tokens", "300", "--documents", "2", "--concurrency", "2", "--cores", "1", "--duration", "1",
-         "--warmup", "0.3", "--mode", "pool=--host-processes 1", "--out", str(out), "--plot", str(plot)],
+         "--doc-tokens", "300", "--documents", "2", "--concurrency", "2", "--cores", "2", "--duration", "1",
+         "--warmup", "0.3", "--mode", "fe=--front-ends {cores}", "--out", str(out), "--plot", str(plot)],
         capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     (row,) = results["results"]
-    assert row["mode"] == "pool" and row["cores"] == 1 and row["requests"] > 0 and row["docs_per_s"] > 0
-    assert row["pool_cpu_ms_per_doc"] > 0  # the host work ran in the pool process
+    assert row["mode"] == "fe" and row["cores"] == 2 and row["requests"] > 0 and row["docs_per_s"] > 0
+    assert row["flags"] == "--front-ends {cores}" and "--front-ends 2" in row["command"]
+    assert row["pool_cpu_ms_per_doc"] > 0  # the host work ran in the front end, a child process
     assert plot.stat().st_size > 0
-
-
-def test_the_host_path_table_in_the_docs_is_the_results_file():
-    from tests.bench_scripts import load_bench
-
-    bench = load_bench("host_path")
-    summary = json.loads((ROOT / "docs" / "host_path.json").read_text())["summary"]
-    assert bench.markdown_table(summary) in (ROOT / "docs" / "service.md").read_text()
-
-
-def test_the_host_path_rerun_in_the_docs_is_its_results_file():
-    summary = json.loads((ROOT / "docs" / "host_path-2026-11-27.json").read_text())["summary"]
-    row = {(r["mode"], r["cores"]): r for r in summary}
-    one, two, threads = row["pool", 1], row["pool", 2], row["threads", 2]
-    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    assert (f"pool 2 cores / 1 core = **{two['vs_1_core']:.2f}x** ({two['docs_per_s']:.1f} against "
-            f"{one['docs_per_s']:.1f} docs/s, {two['server_cores_busy']:.2f} cores busy, "
-            f"{two['loop_cpu_ms_per_doc']:.1f} ms of event-loop CPU per document; threads "
-            f"{threads['vs_1_core']:.2f}x)") in text
-
-
-def test_the_front_ends_table_in_the_docs_is_its_results_file():
-    from tests.bench_scripts import load_bench
-
-    bench = load_bench("host_path")
-    summary = json.loads((ROOT / "docs" / "host_path_front_ends.json").read_text())["summary"]
-    text = (ROOT / "docs" / "service.md").read_text()
-    assert bench.markdown_table(summary) in text
-    row = {r["mode"]: r for r in summary}
-    flat = " ".join(text.split())
-    assert (f"engine's event-loop CPU per document: {row['fe2']['loop_cpu_ms_per_doc']:.1f} ms against "
-            f"{row['pool']['loop_cpu_ms_per_doc']:.1f} ms") in flat
-
-
-def test_the_pool_ab_figures_in_the_docs_are_their_results_files():
-    """docs/service.md's interleaved comparison of the pool driven by the event loop against the
-    executor it replaced states each round's event-loop CPU per document and docs/s as the
-    results files (docs/host_path_ab/) hold them."""
-    text = " ".join((ROOT / "docs" / "service.md").read_text().split())
-    for comparison, version in itertools.product(("pool", "ipc"), ("new", "old")):  # ipc: the pipe changes
-        rounds = [json.loads((ROOT / "docs" / "host_path_ab" / f"{comparison}-{version}-round{i}.json").read_text())
-                  ["summary"][0] for i in (1, 2, 3)]
-        assert " / ".join(f"{r['loop_cpu_ms_per_doc']:.1f}" for r in rounds) in text, (comparison, version)
-        assert " / ".join(f"{r['docs_per_s']:.1f}" for r in rounds) in text, (comparison, version)

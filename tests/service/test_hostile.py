@@ -2,6 +2,7 @@
 one error shape, types are JSON's, and a deadline holds during tokenization."""
 
 import asyncio
+import re
 import sys
 import threading
 from pathlib import Path
@@ -54,6 +55,35 @@ def test_deep_nesting_is_refused_in_the_error_shape_before_any_parse():
 def test_bodies_that_do_not_parse_are_422_in_the_error_shape(body, message):
     (r,) = post_all([("/v1/classify", {"content": body, "headers": JSON})])
     assert_error(r, 422, "invalid_request", message)
+
+
+@pytest.mark.parametrize("header", ["inf", "-inf", "nan", "1e999", "Infinity", "0", "-1"])
+def test_a_timeout_header_that_is_no_deadline_says_what_is_accepted(header):
+    """Issue 38, item 9: `X-Request-Timeout: inf` was answered "must be at least 0.001 seconds"."""
+    (r,) = post_all([("/v1/classify", {"json": {"document": "good"}, "headers": {"x-request-timeout": header}})],
+                    max_request_timeout_s=120)
+    assert_error(r, 422, "invalid_request",
+                 f"X-Request-Timeout {header!r}: give a number of seconds from 0.001 to 120 (the server's "
+                 f"max_request_timeout_s)")
+
+
+@pytest.mark.parametrize("request_, settings, setting", [
+    ({"content": b'{"document": "' + b"a " * 40_000 + b'"}', "headers": JSON},
+     {"max_document_bytes": 100, "max_documents": 1}, "max_document_bytes"),  # the body
+    ({"content": b'{"documents": [' + b'"a",' * 200 + b'"a"]}', "headers": JSON}, {}, "max_documents"),  # JSON
+    ({"json": {"document": "a " * 100}}, {"max_document_bytes": 100}, "max_document_bytes"),
+    ({"json": {"documents": ["a"] * 3}}, {"max_documents": 2}, "max_documents"),
+    ({"json": {"document": "good " * 100}}, {"max_document_tokens": 50}, "max_document_tokens"),
+    ({"json": {"document": "good " * 1000}}, {"max_queue_tokens": 400}, "max_queue_tokens"),
+])
+def test_every_413_names_the_setting_that_raises_the_limit(request_, settings, setting):
+    """Issue 38, item 9: a 413 said "the limit is N" without saying which setting sets it."""
+    from longdoc.service.settings import Settings
+
+    (r,) = post_all([("/v1/classify", request_)], **settings)
+    assert_error(r, 413, "too_large", f"the server's {setting}")
+    named = re.findall(r"LONGDOC_([A-Z_]+)", r.json()["error"]["message"])
+    assert setting.upper() in named and all(n.lower() in Settings.model_fields for n in named), named
 
 
 def test_wrong_method_is_405_and_unknown_path_404_whatever_the_content_type():
@@ -157,8 +187,10 @@ def test_a_real_tokenizer_lets_the_deadline_and_other_requests_run(monkeypatch):
     doc = ("The quick brown fox jumps over the lazy dog. " * 44_000)[:1_999_000]
 
     async def go():
+        # a token limit over the document's ~440k tokens: all of it is tokenized (an over-limit
+        # document stops at the limit, tests/service/test_host.py)
         async with running_app(factory=onnx_worker_factory, models={"classify": SHIPPED / "classify"},
-                               warmup=False) as c:
+                               warmup=False, max_document_tokens=1_000_000) as c:
             async def poll_livez():
                 while not during:
                     assert (await c.get("/livez")).status_code == 200

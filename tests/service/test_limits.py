@@ -5,11 +5,15 @@ uvicorn on a loopback port (and the body middleware driven directly where orderi
 import asyncio
 import json
 import socket
+import threading
+
+import h11
 
 import pytest
 
 from longdoc.service.app import BodyLimitMiddleware
 from longdoc.service.settings import Settings
+from tests.polling import until
 from tests.service.conftest import ThreadServer, fake_factory
 
 MODELS = {"cls": "classify"}
@@ -79,7 +83,7 @@ def test_keep_alive_requests_and_slow_answers_are_not_cut_by_the_header_timeout(
         assert status == 200, answer
 
 
-def test_over_the_cap_an_idle_connection_makes_room_and_busy_ones_refuse_the_new_one():
+def test_over_the_cap_an_idle_connection_or_a_body_makes_room_and_answered_ones_leave_only_a_probe():
     with server(max_connections=2) as srv:
         idle = [connect(srv), connect(srv)]
         for s in idle:  # kept alive after an answer: idle
@@ -96,17 +100,40 @@ def test_over_the_cap_an_idle_connection_makes_room_and_busy_ones_refuse_the_new
         for s in idle:
             s.close()
     with server(max_connections=2) as srv:
-        busy = [connect(srv), connect(srv)]
-        for s in busy:  # a request under way: the 100 Continue says its headers are in
+        uploads = [connect(srv), connect(srv)]
+        for s in uploads:  # a body under way: the 100 Continue says its headers are in
             s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                       b"expect: 100-continue\r\ncontent-length: 100\r\n\r\n")
             assert s.recv(100).startswith(b"HTTP/1.1 100 ")
-            s.sendall(b"{")
-        with connect(srv) as third:
-            status, headers, body = read_response(third)
+        with connect(srv) as third:  # the slowest body (a tie: the older) is closed for it
+            status, headers, body = read_response(uploads[0])
             assert_error(status, body, 503, "unavailable")
-            assert headers["retry-after"] == "1" and closed(third)
+            third.sendall(GET_LIVEZ)
+            assert read_response(third)[0] == 200
+        for s in uploads:
+            s.close()
+    gate = threading.Event()
+    with ThreadServer(Settings(models=MODELS, max_connections=2, max_wait_ms=0, warmup=False),
+                      worker_factory=fake_factory(classify={"gate": gate})) as srv:
+        busy = [connect(srv), connect(srv)]
+        try:
+            for s in busy:  # requests being answered (the worker waits at the gate)
+                s.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 17\r\n\r\n{\"document\": \"a\"}")
+            until(lambda: sum(c.conn.their_state is h11.DONE for c in srv.server.server_state.connections) == 2,
+                  "both requests are in")
+            with connect(srv) as third:  # never closed for another: the new one may only ask a probe
+                third.sendall(b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+                status, headers, body = read_response(third)
+                assert_error(status, body, 503, "unavailable")
+                assert headers["retry-after"] == "1" and closed(third)
+            with connect(srv) as probe:
+                probe.sendall(GET_LIVEZ)
+                assert read_response(probe)[0] == 200 and closed(probe)
+        finally:
+            gate.set()
         for s in busy:
+            assert read_response(s)[0] == 200
             s.close()
 
 

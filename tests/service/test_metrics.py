@@ -18,7 +18,7 @@ from longdoc.service.batching import BatchingPolicy
 from longdoc.service.metrics import Metrics
 from longdoc.service.settings import Settings
 from longdoc.testing.fake_worker import FakeWorker
-from tests.polling import until_async
+from tests.polling import until, until_async
 from tests.service.conftest import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,17 +207,17 @@ def test_a_stream_is_measured_to_its_last_event():
         def scrape():
             return httpx.get(server.url + "/metrics").text
 
+        def scraped_once_not_in_flight():
+            text = scrape()
+            return None if sample(text, "longdoc_in_flight_requests", endpoint="summarize") else text
+
         def in_flight_after_the_stream():  # the server finishes a response after its last byte
-            deadline = time.monotonic() + 10
-            while sample(text := scrape(), "longdoc_in_flight_requests", endpoint="summarize") and \
-                    time.monotonic() < deadline:
-                time.sleep(0.01)
-            return text
+            return until(scraped_once_not_in_flight, "the stream left the in-flight gauge", 10)
 
         with httpx.stream("POST", server.url + "/v1/summarize",
                           json={"document": "w1 w2 w3 w4", "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"ids"')
             during = scrape()  # the stream is at its first token, the next decoder step is held
             worker.gate.set()
             rest = [line for line in lines if line.startswith("data: ")]
@@ -239,6 +239,24 @@ def test_a_stream_is_measured_to_its_last_event():
     assert sample(after, "longdoc_request_duration_seconds_sum", **labels) >= \
         sample(after, "longdoc_inference_duration_seconds_sum", **labels)
     assert sample(gone, "longdoc_in_flight_requests", endpoint="summarize") == 0
+
+
+def test_time_to_first_token_of_streams():
+    """Issue 38, item 9: streams had no time-to-first-token histogram. One observation per stream
+    (none for a summary answered whole), within the request's whole time."""
+    async def go():
+        async with running_app(models={"sum": "summarize"}) as c:
+            async with c.stream("POST", "/v1/summarize", json={"document": "w1 w2 w3 w4", "stream": True}) as r:
+                assert r.status_code == 200
+                await r.aread()
+            assert (await c.post("/v1/summarize", json={"document": "w1 w2 w3 w4"})).status_code == 200
+            return (await c.get("/metrics")).text
+
+    text = run(go())
+    first = dict(model="sum", length_bucket="le_8")
+    assert sample(text, "longdoc_time_to_first_token_seconds_count", **first) == 1
+    assert 0 < sample(text, "longdoc_time_to_first_token_seconds_sum", **first) <= \
+        sample(text, "longdoc_request_duration_seconds_sum", endpoint="summarize", **first)
 
 
 def test_metrics_have_no_created_series():

@@ -43,7 +43,7 @@ print("HEAVY", sorted(m for m in ("torch", "transformers", "onnx") if m in sys.m
 
 
 def test_longdoc_testing_imports_no_torch():
-    """bench/slow_clients.py and bench/livez_stall.py serve FakeWorker on a serve-only install: the
+    """bench/slow_clients.py serves FakeWorker on a serve-only install: the
     fake worker, and the tiny-model builders until one is called, import no torch (issue 26)."""
     out = subprocess.run([sys.executable, "-c", FAKE_CODE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

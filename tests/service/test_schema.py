@@ -12,7 +12,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from longdoc.service.app import _ERRORS, create_app
+from longdoc.service.app import create_app
+from longdoc.service.core import ERROR_RESPONSES as _ERRORS
 from longdoc.service.settings import Settings
 from tests.service.conftest import ThreadServer, fake_factory
 
@@ -21,7 +22,7 @@ MAX_EXAMPLES = 30
 
 @pytest.fixture(scope="module")
 def fake_server():
-    s = Settings(models={"qa": "qa", "cls": "classify", "sum": "summarize"}, max_document_tokens=2000,
+    s = Settings(models={"qa": "qa", "cls": "classify", "sum": "summarize", "emb": "embed"}, max_document_tokens=2000,
                  max_documents=4, max_document_bytes=20_000)
     with ThreadServer(s, worker_factory=fake_factory()) as server:
         yield server
@@ -34,10 +35,12 @@ def operations(url):
 
 def test_openapi_lists_every_route(fake_server):
     paths = httpx.get(fake_server.url + "/openapi.json").json()["paths"]
-    assert {"/v1/qa", "/v1/summarize", "/v1/classify", "/v1/models", "/livez", "/readyz", "/metrics"} <= set(paths)
+    assert {"/v1/qa", "/v1/summarize", "/v1/classify", "/v1/embeddings", "/embed", "/v1/models", "/livez", "/readyz",
+            "/metrics"} <= set(paths)
 
 
-@pytest.mark.parametrize("path", ["/v1/qa", "/v1/summarize", "/v1/classify", "/v1/models", "/readyz"])
+@pytest.mark.parametrize("path", ["/v1/qa", "/v1/summarize", "/v1/classify", "/v1/embeddings", "/embed", "/v1/models",
+                                  "/readyz"])
 def test_no_server_errors(fake_server, path):
     (op,) = [o for o in operations(fake_server.url) if o.path == path]
 
@@ -72,7 +75,7 @@ def test_schemathesis_all_checks_pass(fake_server, tmp_path):
     proc = subprocess.run(
         [str(st), "--config-file", str(config), "run", fake_server.url + "/openapi.json", "--checks", "all",
          "--max-examples", "15", "--workers", "1", "--seed", "1", "--no-color"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"})
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"})
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "No issues found" in proc.stdout
 
@@ -88,6 +91,10 @@ def test_schema_states_the_choices_and_limits(fake_server):
     responses = schema["paths"]["/v1/summarize"]["post"]["responses"]
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {str(code) for code in _ERRORS} <= set(responses)
+    embeddings = schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]
+    text, texts = sorted(embeddings["input"]["anyOf"], key=lambda o: o["type"] == "array")
+    assert text["maxLength"] == 20_000 and texts["maxItems"] == 4 and texts["items"]["maxLength"] == 20_000
+    assert [o for o in embeddings["dimensions"]["anyOf"] if o["type"] == "integer"][0]["enum"] == [11]
 
 
 def test_the_routers_give_the_same_operations():
@@ -102,6 +109,8 @@ def test_the_routers_give_the_same_operations():
         ("/v1/qa", "post", "qa_v1_qa_post", ["tasks"]),
         ("/v1/classify", "post", "classify_v1_classify_post", ["tasks"]),
         ("/v1/summarize", "post", "summarize_v1_summarize_post", ["tasks"]),
+        ("/v1/embeddings", "post", "embeddings_v1_embeddings_post", ["tasks"]),
+        ("/embed", "post", "embed_embed_post", ["tasks"]),
         ("/v1/models", "get", "models_v1_models_get", ["operations"]),
         ("/livez", "get", "livez_livez_get", ["operations"]),
         ("/readyz", "get", "readyz_readyz_get", ["operations"]),

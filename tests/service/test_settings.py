@@ -37,6 +37,8 @@ def other_value(name: str, field) -> tuple[list[str], str, object]:
         return [flag, value], value, value
     if typing.get_origin(annotation) is dict:
         return [flag, "a=b", flag, "c=d"], '{"a": "b", "c": "d"}', {"a": "b", "c": "d"}
+    if name == "trusted_proxies":
+        return [flag, "10.0.0.5", flag, "10.1.0.0/16"], '["10.0.0.5", "10.1.0.0/16"]', ["10.0.0.5", "10.1.0.0/16"]
     if typing.get_origin(annotation) is list:
         return [flag, "cpu", flag, "cuda:1"], '["cpu", "cuda:1"]', ["cpu", "cuda:1"]
     if Path in kinds:
@@ -96,6 +98,8 @@ def test_bad_settings_say_which_flag_and_variable():
         (["--model", "q=/a", "--model", "q=/b"], "--model 'q' given twice"),
         (["--device", "gpu7"], "--device (LONGDOC_DEVICES) ['gpu7']: device 'gpu7': expected cpu, cuda or cuda:N"),
         (["--port", "abc"], "--port (LONGDOC_PORT) 'abc': Input should be a valid integer"),
+        (["--trusted-proxy", "10.0.0.300"], "--trusted-proxy (LONGDOC_TRUSTED_PROXIES) ['10.0.0.300']: '10.0.0.300' "
+                                            "is not an IP address or network"),
         (["--request-timeout-s", "900"], "request_timeout_s 900.0 exceeds max_request_timeout_s 600.0"),
     ):
         models = [] if args[0] == "--model" else ["--model", "m=/m"]

@@ -1,0 +1,97 @@
+"""docs/benchmarks.md states the figures of the results files its commands wrote: each table is the
+benchmark script's own table of its results file (or, for the decode runs, each run's row), and the
+command that measured it is on the page. A figure cannot outlive its measurement.
+
+(ModernBERT's table: tests/export/test_modernbert_bench.py; the README's figures:
+tests/test_readme_figures.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.bench_scripts import load_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGE = (DOCS / "benchmarks.md").read_text()
+
+
+def results(name: str) -> dict:
+    return json.loads((DOCS / name).read_text())
+
+
+def test_the_export_table_is_its_results_file():
+    assert load_bench("bench_export").markdown_table(results("bench_export.json")["results"]) in PAGE
+
+
+def test_the_head_to_head_tables_are_its_results_file():
+    run = results("head_to_head.json")
+    assert run["command"] in PAGE
+    for system, r in run["results"].items():
+        for p in r["points"]:
+            row = (f"| {system} | {p['concurrency']} | {p['ok']}/{p['sent']} | {p['seconds']:.0f} | "
+                   f"{p['throughput_rps']:.4f} | {p['p50_s']:.1f} | {p['p99_s']:.1f} | {r['peak_rss_gib']:.2f} |")
+            assert row in PAGE, row
+
+
+def test_the_real_size_tables_are_its_results_file():
+    run = results("real_size.json")
+    assert load_bench("real_size").table(run["results"]) in PAGE and run["command"] in PAGE
+
+
+def test_the_host_path_table_is_its_results_file():
+    bench = load_bench("host_path")
+    assert bench.markdown_table(results("host_path.json")["summary"]) in PAGE
+    fe = {(r["mode"], r["cores"]): r for r in results("host_path.json")["summary"]}["front-ends", 2]
+    flat = " ".join(PAGE.split())
+    assert (f"average {fe['load_average']:.1f}) left the server about {fe['server_cores_busy']:.2f} of a core "
+            f"whatever it was given, so the front ends' {fe['vs_1_core']:.2f}x") in flat
+
+
+def test_the_decode_rows_are_their_results_files():
+    files = sorted((DOCS / "decode").glob("decode_concurrency-*.json"))
+    assert files
+    for i, f in enumerate(files, 1):
+        r = json.loads(f.read_text())
+        row = (f"| {i} | {r['one_token_s']:.3f} | {r['alone']['rps']:.3f} | {r['concurrent']['rps']:.3f} | "
+               f"{100 * r['share_of_bound']:.0f}% |")
+        assert row in PAGE, (f.name, row)
+        assert r["concurrent"]["ok"] == r["concurrent"]["requests"] == 32
+
+
+def test_the_battery_table_is_its_results_file():
+    run = results("battery.json")
+    assert load_bench("battery").markdown_table(run["rows"]) in PAGE and run["command"] in PAGE
+
+
+def test_the_battery_ran_every_part():
+    """The results file on the page is a whole run (issue 38): the floods from several addresses and
+    from the probes' own, the slow bodies, the over-token senders, header sizes, the overload with
+    Retry-After obeyed and ignored, and the kill -9 of an engine and of a front end."""
+    parts = " / ".join(r["part"] for r in results("battery.json")["rows"])
+    for words in ("idle connections from 127.0.0.1 (the probes' own)", "idle connections from 5 addresses",
+                  "slow-body (1 byte/s) connections from 5 addresses", "over-token documents",
+                  "a header of 1 kB to 1 MB", "client obeys Retry-After", "client ignores Retry-After",
+                  "Retry-After R vs time A until the next admission", "4x overload", "kill -9 of the engine",
+                  "kill -9 of one of two front ends", "SIGTERM", "SIGINT twice", "protocol errors"):
+        assert words in parts, words
+
+
+def test_every_benchmark_script_is_on_the_page():
+    """bench/ holds the scripts a figure comes from (and their helpers): each is named here."""
+    helpers = {"common.py"}  # imported by the others
+    for script in sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench").glob("*.sh")):
+        if script.name not in helpers:
+            assert f"bench/{script.name}" in PAGE or f"`{script.name}`" in PAGE, script.name
+
+
+def test_the_decode_steps_table_is_its_results_file():
+    run = results("decode/steps.json")
+    table = load_bench("decode_steps").markdown_table(run)
+    assert table in PAGE and run["command"] in PAGE
+    from longdoc.service.workers import DEFAULT_DECODER_STEPS
+
+    fixed, dynamic = run["step_ms"]["fixed"], run["step_ms"]["dynamic"]
+    no_slower = all(fixed[k] <= dynamic[k] for k in dynamic)  # then it is the CPU's only path too
+    assert DEFAULT_DECODER_STEPS["cpu"] == ("fixed" if no_slower else "dynamic")

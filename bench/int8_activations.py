@@ -98,6 +98,16 @@ def model_copy(source: Path, target: Path, encoder) -> Path:
     return target
 
 
+def markdown_table(results: dict) -> str:
+    """The results as docs/benchmarks.md shows them (a test compares the two)."""
+    n = results["rows"]
+    lines = ["| activation scales | mean abs diff vs float activations | argmax as float | rows changed in a batch of "
+             f"{n} |", "|---|---:|---:|---:|"]
+    for name, r in results["graphs"].items():
+        lines.append(f"| {name} | {r['mean_abs_diff']:.4f} | {r['argmax_same']}/{n} | {r['changed_in_batch']}/{n} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model_dir", type=Path, help="an int8 model directory (QA or classify)")
@@ -105,7 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=48, help="pages read (default: 48)")
     p.add_argument("--length", type=int, default=1024, help="tokens of each page's first window (default: 1024)")
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default: 2)")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=Path, help="write the results here (default: none, print only)")
     args = p.parse_args(argv)
 
     import onnx

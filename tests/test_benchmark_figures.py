@@ -95,3 +95,21 @@ def test_the_decode_steps_table_is_its_results_file():
     fixed, dynamic = run["step_ms"]["fixed"], run["step_ms"]["dynamic"]
     no_slower = all(fixed[k] <= dynamic[k] for k in dynamic)  # then it is the CPU's only path too
     assert DEFAULT_DECODER_STEPS["cpu"] == ("fixed" if no_slower else "dynamic")
+
+
+def test_the_int8_scale_tables_are_their_results_files():
+    speed = results("results/int8-per-row/bench_export.json")["results"]
+    assert load_bench("bench_export").markdown_table(speed) in PAGE
+    cpu = {r["kind"]: r["median_cpu"] for r in speed}
+    assert f"takes {cpu['ours-int8'] / cpu['ours-int8-per-tensor']:.2f}x the CPU time" in PAGE
+    for task in ("qa", "classify"):
+        assert load_bench("int8_activations").markdown_table(results(f"results/int8-activations-{task}.json")) in PAGE
+
+
+def test_export_md_states_the_int8_scale_figures():
+    export_md = " ".join((DOCS / "export.md").read_text().split())
+    cpu = {r["kind"]: r["median_cpu"] for r in results("results/int8-per-row/bench_export.json")["results"]}
+    closer = {t: results(f"results/int8-activations-{t}.json")["graphs"] for t in ("classify", "qa")}
+    ratio = {t: g["per-tensor"]["mean_abs_diff"] / g["per-row"]["mean_abs_diff"] for t, g in closer.items()}
+    assert (f"{cpu['ours-int8'] / cpu['ours-int8-per-tensor']:.2f}x the CPU time of the int8 encoder at 4096 tokens, "
+            f"and outputs {ratio['classify']:.0f}x (classify) to {ratio['qa']:.1f}x (QA) closer") in export_md

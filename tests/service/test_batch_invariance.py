@@ -29,7 +29,7 @@ DOCUMENTS = [document(n, i * 31) for i, n in enumerate(WORD_COUNTS)]
 
 
 class GatedOnnxWorker(OnnxWorker):
-    """A real ONNX worker whose encoder runs and decode steps wait at `gate` while it is closed."""
+    """A real ONNX worker whose encoder runs and decoder steps wait at `gate` while it is closed."""
 
     gate: threading.Event
     entered: threading.Event
@@ -47,6 +47,11 @@ class GatedOnnxWorker(OnnxWorker):
         self._wait()
         self.batch_sizes.append(len(states))
         return super().step(states, tokens)
+
+    def step_greedy(self, states, tokens, *args, **kwargs):
+        self._wait()
+        self.batch_sizes.append(len(states))
+        return super().step_greedy(states, tokens, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -582,29 +585,39 @@ def port_free(port: int) -> bool:
             return False
 
 
-def start_front_ends(threads: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`longdoc serve --front-ends 2` on the shipped classify model (the kill -9 parts)."""
+@contextlib.contextmanager
+def front_ends_server(threads: int, log_path: Path):
+    """`longdoc serve --front-ends 2` on the shipped classify model (the kill -9 parts): (process,
+    url). Its metrics directory is this script's, removed after (an engine killed -9 cannot)."""
     port = free_port()
+    metrics = tempfile.mkdtemp(prefix="battery-metrics-")
     proc = subprocess.Popen([sys.executable, "-m", "longdoc", "serve", "--port", str(port), "--threads", str(threads),
                              "--log-level", "warning", "--front-ends", "2", f"--model=classify={ROOT / 'models' / 'classify'}"],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve --front-ends 2 (log: {log_path})")
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics))
+    try:
+        yield proc, wait_ready(proc, f"http://127.0.0.1:{port}", f"longdoc serve --front-ends 2 (log: {log_path})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(metrics, ignore_errors=True)
 
 
 def kill_engine(threads: int, log_dir: Path, wait_s: float = 20) -> dict:
     """kill -9 of the `--front-ends 2` engine process: do its front ends exit and free the port?"""
-    proc, url = start_front_ends(threads, log_dir / "battery-kill-engine.log")
-    port = int(url.rsplit(":", 1)[1])
-    front_ends = listening_children(proc.pid, port)
-    proc.kill()
-    proc.wait()
-    killed, deadline = time.monotonic(), time.monotonic() + wait_s
-    while time.monotonic() < deadline and (any(alive(p) for p in front_ends) or not port_free(port)):
-        time.sleep(0.1)  # polling other processes' exit
-    gone = not any(alive(p) for p in front_ends) and port_free(port)
-    for p in front_ends:  # what is left is this script's to clean up
-        if alive(p):
-            os.kill(p, signal.SIGKILL)
+    with front_ends_server(threads, log_dir / "battery-kill-engine.log") as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        front_ends = listening_children(proc.pid, port)
+        proc.kill()
+        proc.wait()
+        killed, deadline = time.monotonic(), time.monotonic() + wait_s
+        while time.monotonic() < deadline and (any(alive(p) for p in front_ends) or not port_free(port)):
+            time.sleep(0.1)  # polling other processes' exit
+        gone = not any(alive(p) for p in front_ends) and port_free(port)
+        for p in front_ends:  # what is left is this script's to clean up
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
     return dict(part="kill -9 of the engine (--front-ends 2)", requests=0,
                 outcomes={"front ends": len(front_ends)},
                 figure=(f"front ends gone and the port free {time.monotonic() - killed:.1f} s after" if gone else
@@ -615,38 +628,38 @@ def kill_engine(threads: int, log_dir: Path, wait_s: float = 20) -> dict:
 def kill_front_end(threads: int, seconds: float, log_dir: Path) -> dict:
     """kill -9 of one of two front ends under 4 closed-loop clients: only the requests it held
     fail, and the port keeps answering (the engine starts a new front end)."""
-    proc, url = start_front_ends(threads, log_dir / "battery-kill-front-end.log")
-    port = int(url.rsplit(":", 1)[1])
-    path, body = request_for("classify", SMALL_DOC)
-    outcomes, stop = Counter(), threading.Event()
+    with front_ends_server(threads, log_dir / "battery-kill-front-end.log") as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        path, body = request_for("classify", SMALL_DOC)
+        outcomes, stop = Counter(), threading.Event()
 
-    def client():
-        while not stop.is_set():
-            try:  # a new connection each time: the kernel spreads them over the front ends
-                outcomes[outcome(httpx.post(url + path, json=body, timeout=30))] += 1
-            except httpx.TransportError:
-                outcomes["transport error (its front end killed)"] += 1
+        def client():
+            while not stop.is_set():
+                try:  # a new connection each time: the kernel spreads them over the front ends
+                    outcomes[outcome(httpx.post(url + path, json=body, timeout=30))] += 1
+                except httpx.TransportError:
+                    outcomes["transport error (its front end killed)"] += 1
 
-    threads_ = [threading.Thread(target=client) for _ in range(4)]
-    for t in threads_:
-        t.start()
-    try:
-        time.sleep(seconds / 2)  # the load is running; the kill lands in its middle
-        victim = listening_children(proc.pid, port)[0]
-        os.kill(victim, signal.SIGKILL)
-        time.sleep(seconds / 2)
-    finally:
-        stop.set()
+        threads_ = [threading.Thread(target=client) for _ in range(4)]
         for t in threads_:
-            t.join()
-    killed = time.monotonic()
-    while len(listening_children(proc.pid, port)) < 2 and time.monotonic() - killed < 60:
-        time.sleep(0.2)  # polling the engine's restart of the front end
-    restarted = time.monotonic() - killed
-    after = outcome(httpx.post(url + path, json=body, timeout=30))
-    front_ends = len(listening_children(proc.pid, port))
-    proc.terminate()
-    proc.wait(timeout=120)
+            t.start()
+        try:
+            time.sleep(seconds / 2)  # the load is running; the kill lands in its middle
+            victim = listening_children(proc.pid, port)[0]
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(seconds / 2)
+        finally:
+            stop.set()
+            for t in threads_:
+                t.join()
+        killed = time.monotonic()
+        while len(listening_children(proc.pid, port)) < 2 and time.monotonic() - killed < 60:
+            time.sleep(0.2)  # polling the engine's restart of the front end
+        restarted = time.monotonic() - killed
+        after = outcome(httpx.post(url + path, json=body, timeout=30))
+        front_ends = len(listening_children(proc.pid, port))
+        proc.terminate()
+        proc.wait(timeout=120)
     lost = outcomes.get("transport error (its front end killed)", 0)
     return dict(part="kill -9 of one of two front ends under load", requests=sum(outcomes.values()) + 1,
                 outcomes=dict(outcomes), figure=f"{lost} lost; then {after}, {front_ends} front ends "

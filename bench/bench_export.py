@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longdoc.export.manifest import INT8_ATTENTION  # NumPy-free, no onnx
+from longdoc.export.manifest import INT8_ATTENTION, SPARSE_GATHER  # NumPy-free, no onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,17 +99,36 @@ def prepare(work: Path, max_position: int, log, kinds=KINDS, int8_attention: str
                 os.symlink(ck / name, dst)
         config = json.loads((ck / "config.json").read_text())
         (full_ck / "config.json").write_text(json.dumps({**config, "attention_type": "original_full"}))
-    for kind, source, dtype, attention in (("ours-fp32", ck, "fp32", "off"), ("ours-int8", ck, "int8", "off"),
-                                           ("ours-int8-attn", ck, "int8", int8_attention),
-                                           ("full-onnx", full_ck, "fp32", "off")):
-        if kind not in kinds:
+    exports = {"ours-fp32": (ck, "fp32", "off"), "ours-int8": (ck, "int8", "off"),
+               "ours-int8-attn": (ck, "int8", int8_attention), "full-onnx": (full_ck, "fp32", "off")}
+    for kind in kinds:
+        base, gather = split_kind(kind)
+        if base not in exports:
             continue
-        out = work / (f"{kind}-{max_position}" if attention == "off" else f"{kind}-{attention}-{max_position}")
+        source, dtype, attention = exports[base]
+        name = base if attention == "off" else f"{base}-{attention}"
+        out = work / (f"{name}-{max_position}" if gather == "gather" else f"{name}-{gather}-{max_position}")
         if not (out / "manifest.json").is_file():
             log(f"exporting {kind} -> {out}")
-            export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m), int8_attention=attention)
+            export_model(source, out, "qa", dtype=dtype, progress=lambda m: log("  " + m), int8_attention=attention,
+                         sparse_gather=gather)
         paths[kind] = out
     return paths
+
+
+def kind_order(kind: str) -> tuple[int, int]:
+    base, gather = split_kind(kind)
+    return KINDS.index(base), SPARSE_GATHER.index(gather)
+
+
+def split_kind(kind: str) -> tuple[str, str]:
+    """`ours-fp32@window` -> ("ours-fp32", "window"): an export kind with `longdoc export
+    --sparse-gather` (SPARSE_GATHER); a bare kind gathers as the default ("gather")."""
+    base, _, gather = kind.partition("@")
+    if base not in KINDS or (gather and (gather not in SPARSE_GATHER or not base.startswith("ours-"))):
+        raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}, an ours-* kind optionally "
+                         f"with @{'|@'.join(SPARSE_GATHER)}")
+    return base, gather or "gather"
 
 
 def trace_export(ckpt: Path, out: Path, S: int, log) -> Path:
@@ -369,7 +388,7 @@ def layout_input_vs_constants(model_dir: Path, S: int, reps: int, threads: int) 
     const = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
     t_load = time.perf_counter() - start
     ids = np.random.default_rng(0).integers(100, 30000, (1, S))
-    feed, _ = m._encoder_feed(ids, np.ones_like(ids))
+    feed, _ = m.encoder_feed(ids, np.ones_like(ids))
     const_feed = {k: v for k, v in feed.items() if k not in layout}
     as_input, as_const = [], []
     for _ in range(reps):
@@ -439,7 +458,7 @@ def markdown_table(results: list[dict]) -> str:
     """The results as docs/benchmarks.md shows them (a test compares the two): median wall and CPU
     seconds, peak RSS and activations (peak minus the RSS once loaded) per length and kind."""
     lines = ["| tokens | kind | wall s | CPU s | peak RSS GiB | activations GiB |", "|---:|---|---:|---:|---:|---:|"]
-    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+    for r in sorted(results, key=lambda r: (r["length"], kind_order(r["kind"]))):
         if "error" not in r:
             lines.append(f"| {r['length']} | {r['kind']} | {r['median']:.2f} | {r['median_cpu']:.2f} | "
                          f"{r['peak_gib']:.2f} | {r['act_gib']:.2f} |")
@@ -463,7 +482,7 @@ def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
                       f"right-hand side, best of 10): fp32 {peaks['fp32']:.0f} GFLOP/s, dynamically quantized int8 "
                       f"{peaks['int8']:.0f} GOP/s. % of peak = GFLOP/s cpu against the fp32 peak "
                       f"(ours-int8: against the int8 peak, though its attention stays fp32; ours-int8-attn: the int8 peak)."]
-    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+    for r in sorted(results, key=lambda r: (r["length"], kind_order(r["kind"]))):
         if "error" in r:
             lines.append(f"| {r['length']} | {r['kind']} | - | - | - | - | - | - | - | - | {r['error']} |")
             continue
@@ -483,7 +502,7 @@ def write_report(results: list[dict], out_dir: Path, header: str, threads: int,
     except ImportError:
         return
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for kind in KINDS:
+    for kind in sorted({r["kind"] for r in results}, key=kind_order):
         rows = sorted((r for r in results if r["kind"] == kind and "error" not in r), key=lambda r: r["length"])
         if rows:
             xs = [r["length"] for r in rows]
@@ -514,7 +533,9 @@ def main() -> int:
     p.add_argument("--lengths", default="1024,2048,4096",
                    help="comma-separated lengths with max_position 4096, '' for none (default: 1024,2048,4096)")
     p.add_argument("--long", action="store_true", help="also 8192 and 16384 (max_position_embeddings 16384; default: off)")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default: {','.join(KINDS)})")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated; an ours-* kind with @MODE is exported with `--sparse-gather MODE` "
+                        f"({', '.join(SPARSE_GATHER)}), e.g. ours-fp32,ours-fp32@window (default: {','.join(KINDS)})")
     p.add_argument("--int8-attention", default=INT8_ATTENTION_DEFAULT, choices=INT8_ATTENTION[1:],
                    help=f"mode of ours-int8-attn (`longdoc export --int8-attention`; default: {INT8_ATTENTION_DEFAULT})")
     p.add_argument("--reps", type=int, default=3, help="timed runs at <= 4096 tokens, after one warm-up (default: 3)")
@@ -534,8 +555,8 @@ def main() -> int:
                         "round-robin, so that the machine's drifts in speed hit all kinds alike (default: off)")
     p.add_argument("--no-peaks", action="store_true",
                    help="skip measuring ONNX Runtime's fp32/int8 MatMul peaks before the run (the %% of peak column; default: measured)")
-    p.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
-    p.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--measure", help=argparse.SUPPRESS)
+    p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -550,6 +571,11 @@ def main() -> int:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     kinds = args.kinds.split(",")
+    for kind in kinds:
+        try:
+            split_kind(kind)
+        except ValueError as exc:
+            p.error(str(exc))
     args.work.mkdir(parents=True, exist_ok=True)
     if args.layout_check:
         paths = prepare(args.work, 4096, log, ["ours-fp32"])

@@ -1,65 +1,144 @@
 #!/usr/bin/env bash
-# One GPU lease, as the device tool runs it (docs/gpu.md). That machine reaches no package index:
-# onnxruntime-gpu travels in parts (../shared/tools/device-ortgpu.sh prepare -> .ortgpu/partN), the
-# service's pure-Python dependencies as wheels in .whl/ (docs/gpu.md lists the pip download line).
+# One GPU lease (docs/gpu.md, "The next lease"): everything the next GPU session measures, in one
+# run of about 8 minutes, each figure set in its own results file under $OUT, the earlier code as
+# the baseline in the same run (the same tree with the new paths switched off: bench/gpu.py
+# `decode_switch`), a failed phase logged and passed.
 #
-#   bash bench/gpu_lease.sh part N      # carry .ortgpu/partN (N = 0 ... last, any order); the first
-#                                       # call also carries .whl (with the smallest part): it installs
-#                                       # longdoc and the wheels and starts the exports
-#                                       # (bench/gpu.py --phases make) in the background while the
-#                                       # other parts travel
-#   bash bench/gpu_lease.sh main PHASES [QA_DIR]
-#                                       # onnxruntime-gpu put together, the GPU tests, then
-#                                       # bench/gpu.py --phases PHASES, then (with QA_DIR: a QA
-#                                       # model's manifest.json + tokenizer.json) bench/host_path.py
-#                                       # on 1-15 cores; everything lands in $OUT
+# The GPU machine reaches no package index and takes at most 64 MiB a call (the working tree
+# included), so onnxruntime-gpu (a 255 MB wheel) travels in parts and the service's pure-Python
+# dependencies as wheels:
+#
+#   bash bench/gpu_lease.sh prepare   # here, once (needs PyPI): .ortgpu/partN and .whl/ (both in
+#                                     # .gitignore); prints the calls to make
+#   bash bench/gpu_lease.sh part N    # there, one call per part, carrying .ortgpu/partN; the call
+#                                     # of part 0 also carries .whl: it installs longdoc and the
+#                                     # wheels and starts the exports in the background while the
+#                                     # other parts travel
+#   bash bench/gpu_lease.sh main      # there, right after the last part: the measurements
+#   bash bench/gpu_lease.sh dry-run   # here: main's sequence on tiny models on the CPU
+#                                     # (tests/test_bench_gpu.py); OUT=/tmp/gpu-dry and
+#                                     # WORK=/tmp/gpu (the exports) unless set
+#
+# Results ($OUT, at most 8 files come back): lease.log, pytest.log, verify.json, encoder.json,
+# qa_service.json, steps.json, summarize.json, host_path.json.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu-out}
-WORK=/tmp/gpu
-mkdir -p "$OUT" "$WORK" /tmp/ortgpu
+# $OUT: the results (main: the device tool's, else /tmp/gpu-out); $WORK: checkpoints and exports
+WORK=${WORK:-/tmp/gpu}
+ORT_VERSION=1.31.1
+ORT_WHEEL=onnxruntime_gpu-$ORT_VERSION-cp312-cp312-manylinux_2_28_x86_64.whl  # what prepare downloads
+PART_MIB=${PART_MIB:-48}
+LIMIT_SCALE=1  # dry-run: the phases' time limits times 10 (a shared 2-core CPU, not a GPU)
+# the serve extra's packages the GPU machine's image lacks (pinned to what this project's venv
+# runs), and FastAPI's optional opentelemetry import
+WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
+pydantic-settings==2.16.3 python-dotenv==1.2.4 fastapi-offline==1.7.7 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api importlib-metadata"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
+# run NAME SECONDS CMD...: one phase under a time limit; its output goes to the lease log, a
+# failure is logged and the lease goes on
+run() {
+  local name=$1 limit=$(($2 * LIMIT_SCALE)) start=$SECONDS
+  shift 2
+  log "$name"
+  timeout "$limit" "$@"
+  local rc=$?
+  [ $rc -eq 0 ] || log "$name FAILED (exit $rc; 124 = over its ${limit} s)"
+  log "$name done in $((SECONDS - start)) s"
+}
+
+# the measurements; $1 = bench/gpu.py's device, $2 = its other flags (--tiny, the QA service's
+# --requests), $3 = the host path's cores and durations
+measure() {
+  local device=$1 tiny=$2 host=$3
+  local tests=
+  if [ "$device" != cpu ]; then  # the GPU tests; here the test suite is the CPU's
+    (timeout 150 python3 -m pytest -q -p no:cacheprovider tests/service/test_gpu.py \
+      tests/service/test_device_decoder.py > "$OUT/pytest.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest.log") &
+    tests=$!
+  fi
+  # exactness of each new --sparse-gather export (verify against transformers; the default's is
+  # the GPU tests'): beside the GPU tests, before anything is timed
+  run "verify --device $device of each --sparse-gather export" 90 \
+    python3 bench/gpu.py --work "$WORK" --out "$OUT" --name verify --device "$device" $tiny --phases verify \
+    --gathers all-heads,onehot,window
+  if [ -n "$tests" ]; then wait "$tests"; tail -2 "$OUT/pytest.log"; fi
+  # encoder: the default at batch 1/8/32, each export at 32, the MatMul peak, kernels, the gather probe
+  run "encoder" 120 python3 bench/gpu.py --work "$WORK" --out "$OUT" --name encoder --device "$device" $tiny \
+    --phases ours,variants,peak,kernels,gathers
+  # QA service at 32 clients (share of the offline rate: encoder.json's ours) and answers under load
+  run "QA service" 70 python3 bench/gpu.py --work "$WORK" --out "$OUT" --name qa_service --device "$device" $tiny \
+    --phases service
+  # decode: per-token step at batch 1 and 8, then summaries alone, 8 and 32 clients, answers under
+  # load; each as served and with the new paths switched off
+  run "decode steps" 70 python3 bench/gpu.py --work "$WORK" --out "$OUT" --name steps --device "$device" $tiny \
+    --phases steps
+  run "summaries" 130 python3 bench/gpu.py --work "$WORK" --out "$OUT" --name summarize --device "$device" $tiny \
+    --phases summarize
+  # the host path with a null engine, the serving design that main has, 15 server cores and the
+  # client on the 16th (issue 37's goal: 450 docs/s)
+  run "host path" 60 python3 bench/host_path.py --model-dir models/qa $host --out "$OUT/host_path.json"
+}
+
 case "${1:-}" in
+prepare)
+  top=$(git rev-parse --show-toplevel) && cd "$top" || exit 1
+  rm -rf .ortgpu .whl && mkdir -p .ortgpu/dl .whl
+  platform="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+  python3 -m pip download -q --no-deps --only-binary=:all: $platform -d .ortgpu/dl "onnxruntime-gpu==$ORT_VERSION" || exit 1
+  python3 -m pip download -q --no-deps --only-binary=:all: $platform -d .whl $WHEELS || exit 1
+  wheel=$(ls .ortgpu/dl/*.whl) && basename "$wheel" > .ortgpu/wheel-name
+  (cd .ortgpu/dl && split -b "${PART_MIB}M" -d -a 1 "$(basename "$wheel")" chunk. && rm "$(basename "$wheel")")
+  n=0
+  for chunk in .ortgpu/dl/chunk.*; do  # each part names the wheel (only the carried folder travels)
+    mkdir -p .ortgpu/part$n && mv "$chunk" .ortgpu/part$n/ && cp .ortgpu/wheel-name .ortgpu/part$n/ && n=$((n + 1))
+  done
+  echo "prepared $n parts of at most $PART_MIB MiB in .ortgpu/ and $(ls .whl | wc -l) wheels in .whl/. The calls, back to back:"
+  echo "  carry [.ortgpu/part0, .whl]: bash bench/gpu_lease.sh part 0"
+  for i in $(seq 1 $((n - 1))); do echo "  carry [.ortgpu/part$i]: bash bench/gpu_lease.sh part $i"; done
+  echo "  bash bench/gpu_lease.sh main      (timeout_s 600)"
+  ;;
 part)
-  cp .ortgpu/part"$2"/chunk.* /tmp/ortgpu/ && ls -la /tmp/ortgpu
-  if [ -d .whl ] && [ ! -f $WORK/make.started ]; then
-    touch $WORK/make.started
+  mkdir -p /tmp/ortgpu "$WORK" && cp .ortgpu/part"$2"/chunk.* /tmp/ortgpu/ && ls -la /tmp/ortgpu
+  cp .ortgpu/part"$2"/wheel-name /tmp/ortgpu/
+  if [ -d .whl ] && [ ! -f "$WORK/make.started" ]; then
+    touch "$WORK/make.started"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
+    PYTHONPATH=/tmp/site python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
     # the exports need torch, transformers and onnx (all on that machine), not onnxruntime-gpu
-    setsid nohup bash -c "python3 bench/gpu.py --work $WORK --out $WORK/make-out --phases make \
+    PYTHONPATH=/tmp/site setsid nohup bash -c "python3 bench/gpu.py --work $WORK --phases make \
       > $WORK/make.log 2>&1; echo \$? > $WORK/make.done" >/dev/null 2>&1 < /dev/null &
     log "exports started in the background"
   fi
   ;;
 main)
-  phases=${2:-ours,gathers,encoder_opts,kernels,service,summarize,pegasus,verify,hf}
-  wheel=onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  cat /tmp/ortgpu/chunk.* > /tmp/$wheel && python3 -m pip install -q --no-deps --target /tmp/ortsite /tmp/$wheel \
+  OUT=${OUT:-/tmp/gpu-out}
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/lease.log") 2>&1
+  name=$(cat /tmp/ortgpu/wheel-name 2>/dev/null || echo $ORT_WHEEL)
+  cat /tmp/ortgpu/chunk.* > "/tmp/$name" && python3 -m pip install -q --no-deps --target /tmp/ortsite "/tmp/$name" \
     || { log "onnxruntime-gpu did not install"; exit 1; }
-  export PYTHONPATH=/tmp/ortsite:/tmp/site:$PWD
+  export PYTHONPATH=/tmp/ortsite:/tmp/site:$PWD PYTHONUNBUFFERED=1
   nv=$(python3 -c 'import glob, site; print(":".join(sorted(glob.glob(site.getsitepackages()[0] + "/nvidia/**/lib", recursive=True))))')
   export LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-}
   python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())'
-  while [ ! -f $WORK/make.done ]; do sleep 2; done  # the exports the first `part` started
-  log "exports: exit $(cat $WORK/make.done)"; tail -3 $WORK/make.log; cp $WORK/make.log "$OUT/"
-  log "GPU tests"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/service/test_gpu.py tests/service/test_device_decoder.py \
-    > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log"
-  log "bench/gpu.py --phases $phases"
-  PYTHONUNBUFFERED=1 python3 bench/gpu.py --work $WORK --out "$OUT" --phases "$phases" --requests 1024 \
-    2> "$OUT/gpu.log"
-  tail -40 "$OUT/gpu.log"
-  if [ -n "${3:-}" ]; then
-    log "bench/host_path.py (the host path with a null engine: one process, and --front-ends N on N of 1-15 server cores)"
-    python3 bench/host_path.py --model-dir "$3" --cores 1,4,8,15 --client-cpus 15 --duration 6 --warmup 2 \
-      --out "$OUT/host_path_gpu.json" --plot "$OUT/host_path_gpu.png" > "$OUT/host_path.log" 2>&1
-    tail -12 "$OUT/host_path.log"
-  fi
+  while [ ! -f "$WORK/make.done" ]; do sleep 2; done  # the exports the call of part 0 started
+  log "exports: exit $(cat "$WORK/make.done")"; tail -4 "$WORK/make.log"
+  measure cuda "--requests 1024" "--cores 15 --client-cpus 15 --duration 6 --warmup 2"
+  log "lease done"
+  ;;
+dry-run)
+  OUT=${OUT:-/tmp/gpu-dry} LIMIT_SCALE=10
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/lease.log") 2>&1
+  run "exports (tiny)" 90 python3 bench/gpu.py --work "$WORK" --tiny --device cpu --phases make
+  measure cpu "--tiny --requests 16" "--cores 1 --duration 1 --warmup 0.5"
+  log "lease done"
   ;;
 *)
-  echo "usage: $0 part N | main [PHASES]" >&2
+  echo "usage: $0 prepare | part N | main | dry-run" >&2
   exit 2
   ;;
 esac

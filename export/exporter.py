@@ -374,7 +374,7 @@ def generation_defaults(checkpoint_dir: Path, config: dict) -> dict:
 def quantize_int8(model, path: Path, per_channel: bool = False) -> None:
     """Dynamic int8 quantization of the MatMuls with constant weights (the dense layers);
     attention MatMuls multiply two activations and stay fp32. per_channel: one weight scale per
-    output column instead of one per matrix (docs/model-summarize.md: the BERT2BERT summarizer
+    output column instead of one per matrix (docs/notes/summarizer-training.md: the BERT2BERT summarizer
     keeps the fp32 export's greedy summary on 607 of 901 pages per column, 241 per matrix)."""
     import logging
 

@@ -36,6 +36,7 @@ from onnx import TensorProto
 
 from longdoc.export.graph import NEG_INF, GraphBuilder
 from longdoc.export.manifest import EMBEDDING_POOLING
+from longdoc.export.runtime import DecoderGraph
 from longdoc.export.sparse_attention import (AttentionContext, attention_context, block_sparse_attention,
                                              declare_layout_inputs, dense_attention, for_layer, gather_tokens,
                                              longformer_context, merge_heads, split_heads)
@@ -351,24 +352,22 @@ def _cross_kv_outputs(g: GraphBuilder, w: Weights, x: str, projections: list[tup
     encoder output x (B, S, E); projections: per layer the (key, value) weight prefixes."""
     ctx = AttentionContext(0, H, D, "", None, None, False)
     for i, prefixes in enumerate(projections):
-        for kind, wp in zip(("key", "value"), prefixes):
+        for kind, name, wp in zip(("key", "value"), DecoderGraph.layer("cross", i), prefixes):
             t = g.linear(x, w[wp + ".weight"], w.get(wp + ".bias"), f"cross_{kind}_proj{i}")
-            g.output(split_heads(g, t, ctx), f"cross_{kind}_{i}", None, ["batch", H, "sequence", D])
+            g.output(split_heads(g, t, ctx), name, None, ["batch", H, "sequence", D])
 
 
 def _decoder_step_inputs(g: GraphBuilder, L: int, H: int, D: int) -> tuple[str, str, str, str]:
     """The decoder step's inputs (see `build_pegasus_decoder`): returns input_ids, position_ids
     (B, T), self_mask (B, P+T), encoder_mask (B, Se); declares past_* and cross_* per layer."""
-    ids = g.input("input_ids", TensorProto.INT64, ["batch", "new"])
-    pos_ids = g.input("position_ids", TensorProto.INT64, ["batch", "new"])
-    self_mask = g.input("self_mask", TensorProto.INT64, ["batch", "total"])
-    enc_mask = g.input("encoder_mask", TensorProto.INT64, ["batch", "source"])
-    for i in range(L):
-        g.input(f"past_key_{i}", g.float_type, ["batch", H, "past", D])
-        g.input(f"past_value_{i}", g.float_type, ["batch", H, "past", D])
-    for i in range(L):
-        g.input(f"cross_key_{i}", g.float_type, ["batch", H, "source", D])
-        g.input(f"cross_value_{i}", g.float_type, ["batch", H, "source", D])
+    io = DecoderGraph(L)  # the names the runtime binds by
+    ids, pos_ids, self_mask = (g.input(name, TensorProto.INT64, ["batch", dim])
+                               for name, dim in zip(io.STEP_INPUTS, ("new", "new", "total")))
+    enc_mask = g.input(io.ENCODER_MASK, TensorProto.INT64, ["batch", "source"])
+    for name in io.past:
+        g.input(name, g.float_type, ["batch", H, "past", D])
+    for name in io.cross:
+        g.input(name, g.float_type, ["batch", H, "source", D])
     return ids, pos_ids, self_mask, enc_mask
 
 
@@ -394,10 +393,11 @@ def _cached_self_attention(g: GraphBuilder, i: int, q: str, k: str, v: str, self
     """Layer i's self-attention over past_key_i/past_value_i + the new k, v (each (B, H, T, D),
     q too); outputs present_key_i/present_value_i (B, H, P+T, D). Returns (B, T, E)."""
     H, D = ctx.num_heads, ctx.head_dim
-    k = g.op("Concat", [f"past_key_{i}", k], axis=2)  # (B, H, P+T, D)
-    v = g.op("Concat", [f"past_value_{i}", v], axis=2)
-    g.output(k, f"present_key_{i}", None, ["batch", H, "total", D])
-    g.output(v, f"present_value_{i}", None, ["batch", H, "total", D])
+    (past_k, past_v), (present_k, present_v) = DecoderGraph.layer("past", i), DecoderGraph.layer("present", i)
+    k = g.op("Concat", [past_k, k], axis=2)  # (B, H, P+T, D)
+    v = g.op("Concat", [past_v, v], axis=2)
+    g.output(k, present_k, None, ["batch", H, "total", D])
+    g.output(v, present_v, None, ["batch", H, "total", D])
     return merge_heads(g, dense_attention(g, q, k, v, self_bias, D ** -0.5), ctx)
 
 
@@ -455,7 +455,7 @@ def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_no
         h = pre(x, lp + "encoder_attn_layer_norm", "ln2")
         q = split_heads(g, g.linear(h, w[lp + "encoder_attn.q_proj.weight"], w.get(lp + "encoder_attn.q_proj.bias"),
                                     "cross_q"), ctx)
-        a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, scale), ctx)
+        a = merge_heads(g, dense_attention(g, q, *DecoderGraph.layer("cross", i), enc_bias, scale), ctx)
         x = g.op("Add", [x, g.linear(a, w[lp + "encoder_attn.out_proj.weight"],
                                      w.get(lp + "encoder_attn.out_proj.bias"), "cross_out")])
         x = post(x, lp + "encoder_attn_layer_norm", "ln2")
@@ -468,7 +468,8 @@ def _bart_decoder_step(w: Weights, config: dict, dtype: str, prefix: str, pre_no
         x = norm(x, p + "layernorm_embedding", "final_ln")
     lm = w.first("lm_head.weight", prefix + "shared.weight")
     bias = w["final_logits_bias"].reshape(-1) if "final_logits_bias" in w else None
-    g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
+    g.output(g.to_fp32(g.linear(x, lm, bias, "lm_head")), DecoderGraph.LOGITS, TensorProto.FLOAT,
+             ["batch", "new", "vocab"])
     return g.model(doc)
 
 
@@ -582,7 +583,7 @@ def build_b2b_decoder(w: Weights, config: dict, dtype: str):
                             eps, "self_out")
         q = split_heads(g, g.linear(x, w[f"{lp}crossattention.self.query.weight"],
                                     w[f"{lp}crossattention.self.query.bias"], "cross_q"), ctx)
-        a = merge_heads(g, dense_attention(g, q, f"cross_key_{i}", f"cross_value_{i}", enc_bias, D ** -0.5), ctx)
+        a = merge_heads(g, dense_attention(g, q, *DecoderGraph.layer("cross", i), enc_bias, D ** -0.5), ctx)
         x = _post_ln_output(g, w, f"{lp}crossattention.output.", a, x, eps, "cross_out")
         f = g.activation(g.linear(x, w[f"{lp}intermediate.dense.weight"], w[f"{lp}intermediate.dense.bias"], "fc1"), act)
         x = _post_ln_output(g, w, f"{lp}output.", f, x, eps, "fc2")
@@ -595,7 +596,8 @@ def build_b2b_decoder(w: Weights, config: dict, dtype: str):
         bias = w.first(hp + "bias", hp + "decoder.bias")
     else:  # untied, transformers' logits use the decoder Linear's own weight and bias
         weight, bias = w[hp + "decoder.weight"], w[hp + "decoder.bias"]
-    g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), "logits", TensorProto.FLOAT, ["batch", "new", "vocab"])
+    g.output(g.to_fp32(g.linear(h, weight, bias, "lm_head")), DecoderGraph.LOGITS, TensorProto.FLOAT,
+             ["batch", "new", "vocab"])
     return g.model("BigBird-RoBERTa (BERT2BERT) decoder step with KV cache")
 
 

@@ -54,6 +54,55 @@ def execution_providers(device: str, device_id: int = 0) -> list:
     return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
 
 
+@dataclass(frozen=True)
+class DecoderGraph:
+    """The decoder step graph's inputs and outputs, as export/lowering.py writes them
+    (`_decoder_step_inputs`, `_cached_self_attention`): the one description that
+    `OnnxModel.decoder_step` and the service's DeviceDecoder bind by.
+
+    inputs:  input_ids, position_ids (batch, new); self_mask (batch, total); encoder_mask
+             (batch, source); past_<kv> (batch, H, past, D); cross_<kv> (batch, H, source, D)
+    outputs: logits (batch, new, vocab) float32; present_<kv> (batch, H, total, D)
+    where <kv> runs key_0, value_0, key_1, ... and total = past + new."""
+
+    num_layers: int
+    STEP_INPUTS = ("input_ids", "position_ids", "self_mask")  # (batch, new), (batch, new), (batch, total)
+    ENCODER_MASK = "encoder_mask"
+    LOGITS = "logits"
+
+    @staticmethod
+    def layer(kind: str, i: int) -> tuple[str, str]:
+        """Layer i's (key, value) tensor names of a kind: "past", "present" or "cross"."""
+        return f"{kind}_key_{i}", f"{kind}_value_{i}"
+
+    @property
+    def kv(self) -> list[str]:
+        """key_0, value_0, key_1, ...: the order of `past`, `present` and `cross`."""
+        return [f"{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+    def _all(self, kind: str) -> list[str]:
+        return [name for i in range(self.num_layers) for name in self.layer(kind, i)]
+
+    @property
+    def past(self) -> list[str]:
+        return self._all("past")
+
+    @property
+    def present(self) -> list[str]:
+        return self._all("present")
+
+    @property
+    def cross(self) -> list[str]:
+        """Also the encoder graph's outputs of a summarizer (its cross-attention keys/values)."""
+        return self._all("cross")
+
+    @staticmethod
+    def dimensions(batch: int, past: int, source: int) -> dict[str, int]:
+        """Every symbolic dimension of one step of one new token per row, by its name in the graph
+        (for ONNX Runtime's free-dimension overrides; vocab is fixed by the weights)."""
+        return {"batch": batch, "new": 1, "past": past, "total": past + 1, "source": source}
+
+
 @dataclass
 class EncoderState:
     """What the decoder needs from one encoder pass (per batch row)."""
@@ -111,6 +160,8 @@ class OnnxModel:
         self.encoder_inputs = {i.name for i in self.sessions["encoder"].get_inputs()}
         self.sparse = LAYOUT_INPUTS[0] in self.encoder_inputs
         self.float_type = np.float16 if self.manifest.dtype == "fp16" else np.float32
+        self.decoder_graph = DecoderGraph(self.manifest.decoder["num_layers"]) if self.manifest.decoder else None
+        self._options, self._providers = options, providers
         self._layouts: OrderedDict[tuple[int, str], dict[str, np.ndarray]] = OrderedDict()
         self._layout_cache_size = layout_cache_size
         from longdoc.model.layout import AttentionSpec  # NumPy only
@@ -154,7 +205,11 @@ class OnnxModel:
             self._layouts.move_to_end(key)
         return feed
 
-    def _encoder_feed(self, input_ids, attention_mask, token_type_ids=None, global_attention_mask=None):
+    def encoder_feed(self, input_ids, attention_mask, token_type_ids=None, global_attention_mask=None):
+        """The encoder graph's inputs for a batch, as `run_encoder` feeds them: ids and masks
+        padded to the block size, the layout tables of that length. Returns (feed, S), S the
+        unpadded length. For callers that run the encoder session themselves (the service's
+        I/O binding)."""
         input_ids = _as_2d_int64(input_ids, "input_ids")
         B, S = input_ids.shape
         attention_mask = np.ones_like(input_ids) if attention_mask is None else _as_2d_int64(attention_mask,
@@ -202,7 +257,7 @@ class OnnxModel:
         """(B, S) int64 inputs, S in [1, max_length] -> the task's outputs, padding stripped.
         global_attention_mask (Longformer exports only; 1 = global): default from the manifest's
         `global_tokens` (`default_global_mask`)."""
-        feed, S = self._encoder_feed(input_ids, attention_mask, token_type_ids, global_attention_mask)
+        feed, S = self.encoder_feed(input_ids, attention_mask, token_type_ids, global_attention_mask)
         session = self.sessions["encoder"]
         names = [n for n in self.manifest.outputs if n in {o.name for o in session.get_outputs()}]
         outs = session.run(names, feed)
@@ -213,10 +268,8 @@ class OnnxModel:
 
     # --- summarize -----------------------------------------------------------------------
     def encode_for_decoding(self, input_ids, attention_mask=None) -> EncoderState:
-        feed, S = self._encoder_feed(input_ids, attention_mask)
-        L = self.manifest.decoder["num_layers"]
-        names = [f"cross_{kind}_{i}" for i in range(L) for kind in ("key", "value")]
-        cross = self.sessions["encoder"].run(names, feed)
+        feed, S = self.encoder_feed(input_ids, attention_mask)
+        cross = self.sessions["encoder"].run(self.decoder_graph.cross, feed)
         return EncoderState(cross, feed["attention_mask"])
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
@@ -229,26 +282,54 @@ class OnnxModel:
         self_mask (B, P+T) 1 = attend. Returns (logits (B, T, V) fp32, present)."""
         import onnxruntime as ort
 
-        L = self.manifest.decoder["num_layers"]
-        kv = [f"{kind}_{i}" for i in range(L) for kind in ("key", "value")]  # past order: key_0, value_0, ...
+        g = self.decoder_graph
         if state.on_device is None:  # once per encoder state: the encoder outputs stay on the device
             state.on_device = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device,
                                                                        self.device_id)
-                               for name, value in zip([f"cross_{n}" for n in kv] + ["encoder_mask"],
-                                                      [*state.cross, state.encoder_mask])}
+                               for name, value in zip(g.cross + [g.ENCODER_MASK], [*state.cross, state.encoder_mask])}
         binding = self.sessions["decoder"].io_binding()
         for name, value in state.on_device.items():
             binding.bind_ortvalue_input(name, value)
-        binding.bind_cpu_input("input_ids", _as_2d_int64(input_ids, "input_ids"))
-        binding.bind_cpu_input("position_ids", _as_2d_int64(position_ids, "position_ids"))
-        binding.bind_cpu_input("self_mask", _as_2d_int64(self_mask, "self_mask"))
-        for name, value in zip(kv, past):  # the self-attention cache: a few MB, it follows beam reorders on the host
-            binding.bind_cpu_input(f"past_{name}", np.ascontiguousarray(value))
-        for name in ["logits"] + [f"present_{n}" for n in kv]:
+        for name, value in zip(g.STEP_INPUTS, (input_ids, position_ids, self_mask)):
+            binding.bind_cpu_input(name, _as_2d_int64(value, name))
+        for name, value in zip(g.past, past):  # the self-attention cache: a few MB, it follows beam reorders on the host
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in [g.LOGITS] + g.present:
             binding.bind_output(name, "cpu")
         self.sessions["decoder"].run_with_iobinding(binding)
         outs = binding.copy_outputs_to_cpu()
         return outs[0], outs[1:]
+
+    def decoder_vocab_size(self) -> int:
+        """The logits' last dimension (symbolic in the graph): one step of one token, on zeros."""
+        d, g = self.manifest.decoder, self.decoder_graph
+        kv = lambda n: np.zeros((1, d["num_heads"], n, d["head_dim"]), self.float_type)  # noqa: E731
+        one = np.ones((1, 1), np.int64)
+        feed = {"input_ids": one * 0, "position_ids": one * 0, "self_mask": one, g.ENCODER_MASK: one,
+                **{name: kv(0) for name in g.past}, **{name: kv(1) for name in g.cross}}
+        return int(self.sessions["decoder"].run([g.LOGITS], feed)[0].shape[-1])
+
+    def fixed_decoder_session(self, dimensions: dict[str, int], cuda_graph: bool = False):
+        """A new session of the decoder graph with every symbolic dimension fixed (ONNX Runtime's
+        free-dimension overrides, `DecoderGraph.dimensions`): its shape arithmetic folds to
+        constants at load, so every node runs on the model's device. With `cuda_graph` (CUDA only),
+        ONNX Runtime captures the step as a CUDA graph on its first runs and replays it after (the
+        CUDA provider's `enable_cuda_graph`; inputs and outputs must then stay bound at the same
+        device addresses). One session per shape; each holds its own copy of the weights."""
+        import onnxruntime as ort
+
+        if cuda_graph and self.device != "cuda":
+            raise ValueError(f"CUDA graphs need device='cuda', this model runs on {self.device!r}")
+        options = ort.SessionOptions()
+        for name in ("intra_op_num_threads", "inter_op_num_threads", "log_severity_level", "enable_mem_pattern"):
+            setattr(options, name, getattr(self._options, name))
+        for name, value in dimensions.items():
+            options.add_free_dimension_override_by_name(name, int(value))
+        providers = self._providers
+        if cuda_graph:
+            providers = [("CUDAExecutionProvider", {"device_id": self.device_id, "enable_cuda_graph": "1"})]
+        path = self.manifest.path_of(self.model_dir, self.manifest.graphs["decoder"])
+        return ort.InferenceSession(str(path), options, providers=providers)
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = 64, num_beams: int | None = None,
                  length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,

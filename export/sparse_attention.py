@@ -19,6 +19,11 @@ For a padded length S = nb * block_size (paper App. D, Fig. 6):
 Short inputs (seq_len <= full_attention_max_length) run through the same graph with a dense
 table: K = nb, every row lists every key block, which is exact full attention.
 
+How the sparse rows' blocks are gathered is an export choice (`longdoc export --sparse-gather`,
+SPARSE_GATHER; `_block_tensors`): one Gather per head group (the default) or for all heads, a
+product with a one-hot table, or the window's blocks as slices of a shifted copy with only the
+table's other blocks gathered (the runtime then feeds the table without the window). All exact.
+
 Longformer (Beltagy et al. 2020, Sec. 3.1; the PyTorch side is longdoc.model.attention) adds two
 things to the same sparse rows, and takes no `global_blocks` / `block_source` inputs:
 
@@ -233,7 +238,7 @@ def dense_attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, scale: f
     fold_key_bias (bias a key bias (B, 1, 1, S), float products): the bias rides in the product
     as one more column, q' = [q * scale, 1] and k' = [k, bias], so q' k'^T = q k^T * scale + bias
     without an Add over the (B, H, T, S) scores: at 8192 tokens that Add was a quarter of a
-    ModernBERT full layer's attention time (docs/modernbert.md). For an encoder's own queries
+    ModernBERT full layer's attention time (docs/notes/modernbert.md). For an encoder's own queries
     (T = S); a decoder step (T = 1) would copy its cached keys every step to save a small Add.
 
     query_chunks (bias a key bias (B, 1, 1, S)): the queries run in up to this many chunks of rows
@@ -345,7 +350,7 @@ def block_sparse_attention(g: GraphBuilder, q: str, k: str, v: str, layer: int,
     """q, k, v: (B, S, H*D) projections; returns (B, S, H*D). Scale 1/sqrt(D) is applied here.
     global_qkv (with ctx.global_tokens): the global tokens' own rows' projections, q (B, G, H*D) at
     the G slots of `ctx.global_tokens.index`, k, v (B, S, H*D). Its nodes are named
-    `<layer scope>attn/...` (bench/profile_ops.py tells attention from dense layers by it)."""
+    `<layer scope>attn/...` (an ONNX Runtime profile tells attention from dense layers by it)."""
     outer = g.scope
     g.scope = f"{outer}attn/"
     try:

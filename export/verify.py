@@ -395,17 +395,7 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
     kind, device_id = parse_device(device)
     onnx_model = OnnxModel(model_dir, device=kind, threads=threads, device_id=device_id)
     m = onnx_model.manifest
-    if m.task == "embed":  # a sentence-transformers folder: the checkpoint is its Transformer module
-        from longdoc.export.exporter import CheckpointError, sentence_embedding
-
-        try:
-            checkpoint_dir = sentence_embedding(checkpoint_dir).checkpoint_dir
-        except CheckpointError as exc:
-            raise VerifyError(str(exc)) from None
-    if m.architecture.startswith("Longformer") and m.attention.get("pattern") == "dense":
-        raise VerifyError(f"{model_dir} is a full-attention Longformer export (longdoc export --attention full), a "
-                          "benchmark baseline: it computes what the checkpoint computes only when the window covers "
-                          "the whole input, so there is no reference to verify it against")
+    checkpoint_dir = _reference_checkpoint(model_dir, checkpoint_dir, m)
     check_checkpoint(m, checkpoint_dir, allow_other_checkpoint)
     progress(f"loading the {against} reference from {checkpoint_dir}")
     ref = Reference(checkpoint_dir, m, against)
@@ -419,7 +409,6 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
         progress(f"skipping length {n}: {why}")
     if not lengths:
         raise VerifyError(f"no length to check: {'; '.join(f'{n}: {why}' for n, why in report.skipped.items())}")
-    sep = m.special_tokens.get("sep")
     agree: dict[str, list[bool]] = {}  # int8 criterion -> one bool per row (MLM: per position)
 
     def record(graph, what, S, B, diff, ok, note=""):
@@ -438,104 +427,145 @@ def verify_model(model_dir, checkpoint_dir, against: str = "model", lengths: lis
         for B in (1, 3):
             ids, mask = _random_batch(rng, m, vocab, S, B)
             if m.task == "summarize":
-                dec = rng.integers(0, vocab, (B, 5))
-                dec[:, 0] = m.special_tokens["decoder_start"]
-                state = onnx_model.encode_for_decoding(ids, mask)
-                got, _ = onnx_model.decoder_step(state, dec, np.broadcast_to(np.arange(5), (B, 5)),
-                                                 np.ones((B, 5), np.int64), onnx_model.empty_past(B))
-                want = ref.decoder_logits(ids, mask, dec)
-                diff = float(np.abs(got - want).max())
-                row_tol = _scaled(tol, want, m.dtype)
-                same = bool(_same_or_tie(got, want, 2 * row_tol if m.dtype == "fp16" else 0.0).all())
-                ok = m.dtype == "int8" or (diff <= row_tol and (m.dtype == "fp32" or same))
-                record("encoder+decoder", "decoder logits", S, B, diff, ok,
-                       ("" if same else "argmax differs") + (" (int8: judged on generated tokens)"
-                                                             if m.dtype == "int8" else ""))
-                continue
-            global_mask = None
-            if m.global_tokens != "none":  # Longformer: the same global tokens on both sides
-                global_mask = random_global_mask(rng, m, ids, mask, row_default=B == 1 or S % 2 == 0)
-            got = onnx_model.run_encoder(ids, mask, global_attention_mask=global_mask)
-            want = ref.encoder(ids, mask, global_mask)
-            if any(got[n].shape != want[n].shape for n in m.outputs):
-                for n in m.outputs:
-                    record("encoder", n, S, B, None, got[n].shape == want[n].shape,
-                           f"shape {got[n].shape} vs {want[n].shape}")
-                continue
-            mine, theirs = _answers(m.task, got, ids, mask, sep), _answers(m.task, want, ids, mask, sep)
-            diffs, tols = {}, {}
-            for name in m.outputs:
-                g, w = got[name], want[name]
-                if m.task in ("classify", "embed"):  # one row per sequence
-                    sel = np.ones(w.shape, bool)
-                else:  # real positions only; QA question tokens sit near -1e6 in both (fp32 ulp ~0.06)
-                    keep = mask.astype(bool)
-                    sel = keep & (np.abs(w) < 1e5) if m.task == "qa" else keep
-                diffs[name] = float(np.abs(g[sel] - w[sel]).max()) if sel.any() else 0.0
-                tols[name] = _scaled(tol, w[sel], m.dtype)
-            tie = 2 * max(tols.values()) if m.dtype == "fp16" else 0.0
-            if m.task == "qa":
-                agree.setdefault("best span identical", []).extend(a[:1] == b[:1] for a, b in zip(mine, theirs))
-                agree.setdefault(f"reference span in top {QA_TOP}", []).extend(
-                    b[0] in a for a, b in zip(mine, theirs) if b)
-                same = all(_span_same_or_tie(a, b, want["start_logits"][i], want["end_logits"][i], ids[i], sep, tie)
-                           for i, (a, b) in enumerate(zip(mine, theirs)))
-            elif m.task == "classify":
-                agree.setdefault("label identical", []).extend(a == b for a, b in zip(mine, theirs))
-                same = bool(_same_or_tie(got["logits"], want["logits"], tie).all())
-            elif m.task == "embed":
-                cosines = [float(a @ b) for a, b in zip(mine, theirs)]
-                agree.setdefault(f"cosine >= {EMBED_COSINE}", []).extend(c >= EMBED_COSINE for c in cosines)
-                same = min(cosines) >= EMBED_COSINE
+                _check_decoder_logits(onnx_model, ref, rng, vocab, ids, mask, record)
             else:
-                flat = np.concatenate([a == b for a, b in zip(mine, theirs)])
-                agree.setdefault("argmax token identical", []).extend(flat.tolist())
-                same = bool(_same_or_tie(got["logits"], want["logits"], tie)[mask.astype(bool)].all())
-            for name in m.outputs:
-                if m.dtype == "int8":
-                    ok, note = True, ("best unchanged" if same else "best changed") + " (int8: judged by agreement)"
-                else:
-                    ok = diffs[name] <= tols[name] and (m.dtype == "fp32" or same)
-                    note = "" if same else "best span/label differs"
-                record("encoder", name, S, B, diffs[name], ok, note)
-
+                _check_encoder(onnx_model, ref, rng, ids, mask, agree, record)
     if m.task == "summarize":
-        gen_lengths = sorted({lengths[0], lengths[-1]})[:generation_lengths]
-        for S in gen_lengths:
-            ids, mask = _random_batch(rng, m, vocab, S, 2)
-            for beams in (1, 3):
-                options = dict(max_new_tokens=max_new_tokens, num_beams=beams, no_repeat_ngram_size=0)
-                got = onnx_model.generate(ids, mask, **options)
-                want = ref.generate(ids, mask, **options)
-                fill = (m.special_tokens.get("pad"), m.special_tokens.get("eos"))
-                rows_same = [list(w[: len(g)]) == g and all(t in fill for t in w[len(g):]) for g, w in zip(got, want)]
-                if beams == 1 and m.dtype == "int8":
-                    n = agreement.tokens_prefix
-                    agree.setdefault(f"first {n} greedy tokens identical", []).extend(
-                        same_greedy_prefix(g, w, n, fill[1]) for g, w in zip(got, want))
-                    agree.setdefault(f"reference's first {n} tokens in int8 top {GEN_TOP}", []).extend(
-                        reference_tokens_in_top(onnx_model, ids, mask, want, n, GEN_TOP, fill[1]))
-                same = all(rows_same)
-                ok = same or m.dtype == "int8"
-                what = "greedy tokens" if beams == 1 else f"beam({beams}) tokens"
-                bad = rows_same.index(False) if not same else 0
-                record("generate", what, S, 2, None, ok,
-                       "identical" if same else f"row {bad} differs: {got[bad][:8]} vs {list(want[bad][:8])}"
-                       + (" (int8: judged by agreement)" if m.dtype == "int8" else ""))
-
+        for S in sorted({lengths[0], lengths[-1]})[:generation_lengths]:
+            _check_generation(onnx_model, ref, *_random_batch(rng, m, vocab, S, 2), max_new_tokens, agreement,
+                              agree, record)
     if m.dtype == "int8":
-        need = {"best span identical": agreement.span, f"reference span in top {QA_TOP}": agreement.span_in_top,
-                "label identical": agreement.label, "argmax token identical": agreement.label,
-                f"cosine >= {EMBED_COSINE}": agreement.label,
-                f"reference's first {agreement.tokens_prefix} tokens in int8 top {GEN_TOP}": agreement.tokens}
-        for what, votes in agree.items():
-            share = sum(votes) / max(len(votes), 1)
-            if what not in need:  # reported, not judged (identical greedy sequences: see the module docstring)
-                record("agreement", what, 0, 0, None, True, f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (reported)")
-                continue
-            record("agreement", what, 0, 0, None, share >= need[what],
-                   f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (need >= {100 * need[what]:.0f}%)")
+        _judge_agreement(agree, agreement, record)
     return report
+
+
+def _reference_checkpoint(model_dir: Path, checkpoint_dir: Path, m) -> Path:
+    """The checkpoint to compare the export with (an embed export's: its sentence-transformers
+    folder's Transformer module); refuses an export that has no reference."""
+    if m.task == "embed":  # a sentence-transformers folder: the checkpoint is its Transformer module
+        from longdoc.export.exporter import CheckpointError, sentence_embedding
+
+        try:
+            checkpoint_dir = sentence_embedding(checkpoint_dir).checkpoint_dir
+        except CheckpointError as exc:
+            raise VerifyError(str(exc)) from None
+    if m.architecture.startswith("Longformer") and m.attention.get("pattern") == "dense":
+        raise VerifyError(f"{model_dir} is a full-attention Longformer export (longdoc export --attention full), a "
+                          "benchmark baseline: it computes what the checkpoint computes only when the window covers "
+                          "the whole input, so there is no reference to verify it against")
+    return checkpoint_dir
+
+
+def _check_decoder_logits(onnx_model, ref, rng, vocab: int, ids, mask, record) -> None:
+    """One decoder step of 5 random tokens after the encoder, against the reference's logits."""
+    m = onnx_model.manifest
+    B, S = ids.shape
+    tol = TOLERANCE[m.dtype]
+    dec = rng.integers(0, vocab, (B, 5))
+    dec[:, 0] = m.special_tokens["decoder_start"]
+    state = onnx_model.encode_for_decoding(ids, mask)
+    got, _ = onnx_model.decoder_step(state, dec, np.broadcast_to(np.arange(5), (B, 5)),
+                                     np.ones((B, 5), np.int64), onnx_model.empty_past(B))
+    want = ref.decoder_logits(ids, mask, dec)
+    diff = float(np.abs(got - want).max())
+    row_tol = _scaled(tol, want, m.dtype)
+    same = bool(_same_or_tie(got, want, 2 * row_tol if m.dtype == "fp16" else 0.0).all())
+    ok = m.dtype == "int8" or (diff <= row_tol and (m.dtype == "fp32" or same))
+    record("encoder+decoder", "decoder logits", S, B, diff, ok,
+           ("" if same else "argmax differs") + (" (int8: judged on generated tokens)" if m.dtype == "int8" else ""))
+
+
+def _check_encoder(onnx_model, ref, rng, ids, mask, agree: dict[str, list[bool]], record) -> None:
+    """The encoder's outputs against the reference's (Longformer: the same random global tokens on
+    both sides); the answers they give (span, label, token, embedding) voted into `agree`."""
+    m = onnx_model.manifest
+    B, S = ids.shape
+    tol, sep = TOLERANCE[m.dtype], m.special_tokens.get("sep")
+    global_mask = None
+    if m.global_tokens != "none":  # Longformer: the same global tokens on both sides
+        global_mask = random_global_mask(rng, m, ids, mask, row_default=B == 1 or S % 2 == 0)
+    got = onnx_model.run_encoder(ids, mask, global_attention_mask=global_mask)
+    want = ref.encoder(ids, mask, global_mask)
+    if any(got[n].shape != want[n].shape for n in m.outputs):
+        for n in m.outputs:
+            record("encoder", n, S, B, None, got[n].shape == want[n].shape, f"shape {got[n].shape} vs {want[n].shape}")
+        return
+    mine, theirs = _answers(m.task, got, ids, mask, sep), _answers(m.task, want, ids, mask, sep)
+    diffs, tols = {}, {}
+    for name in m.outputs:
+        g, w = got[name], want[name]
+        if m.task in ("classify", "embed"):  # one row per sequence
+            sel = np.ones(w.shape, bool)
+        else:  # real positions only; QA question tokens sit near -1e6 in both (fp32 ulp ~0.06)
+            keep = mask.astype(bool)
+            sel = keep & (np.abs(w) < 1e5) if m.task == "qa" else keep
+        diffs[name] = float(np.abs(g[sel] - w[sel]).max()) if sel.any() else 0.0
+        tols[name] = _scaled(tol, w[sel], m.dtype)
+    tie = 2 * max(tols.values()) if m.dtype == "fp16" else 0.0
+    if m.task == "qa":
+        agree.setdefault("best span identical", []).extend(a[:1] == b[:1] for a, b in zip(mine, theirs))
+        agree.setdefault(f"reference span in top {QA_TOP}", []).extend(b[0] in a for a, b in zip(mine, theirs) if b)
+        same = all(_span_same_or_tie(a, b, want["start_logits"][i], want["end_logits"][i], ids[i], sep, tie)
+                   for i, (a, b) in enumerate(zip(mine, theirs)))
+    elif m.task == "classify":
+        agree.setdefault("label identical", []).extend(a == b for a, b in zip(mine, theirs))
+        same = bool(_same_or_tie(got["logits"], want["logits"], tie).all())
+    elif m.task == "embed":
+        cosines = [float(a @ b) for a, b in zip(mine, theirs)]
+        agree.setdefault(f"cosine >= {EMBED_COSINE}", []).extend(c >= EMBED_COSINE for c in cosines)
+        same = min(cosines) >= EMBED_COSINE
+    else:
+        flat = np.concatenate([a == b for a, b in zip(mine, theirs)])
+        agree.setdefault("argmax token identical", []).extend(flat.tolist())
+        same = bool(_same_or_tie(got["logits"], want["logits"], tie)[mask.astype(bool)].all())
+    for name in m.outputs:
+        if m.dtype == "int8":
+            ok, note = True, ("best unchanged" if same else "best changed") + " (int8: judged by agreement)"
+        else:
+            ok = diffs[name] <= tols[name] and (m.dtype == "fp32" or same)
+            note = "" if same else "best span/label differs"
+        record("encoder", name, S, B, diffs[name], ok, note)
+
+
+def _check_generation(onnx_model, ref, ids, mask, max_new_tokens: int, agreement: Agreement,
+                      agree: dict[str, list[bool]], record) -> None:
+    """Greedy and 3-beam generation against the reference's tokens (int8: voted into `agree`)."""
+    m = onnx_model.manifest
+    B, S = ids.shape
+    for beams in (1, 3):
+        options = dict(max_new_tokens=max_new_tokens, num_beams=beams, no_repeat_ngram_size=0)
+        got = onnx_model.generate(ids, mask, **options)
+        want = ref.generate(ids, mask, **options)
+        fill = (m.special_tokens.get("pad"), m.special_tokens.get("eos"))
+        rows_same = [list(w[: len(g)]) == g and all(t in fill for t in w[len(g):]) for g, w in zip(got, want)]
+        if beams == 1 and m.dtype == "int8":
+            n = agreement.tokens_prefix
+            agree.setdefault(f"first {n} greedy tokens identical", []).extend(
+                same_greedy_prefix(g, w, n, fill[1]) for g, w in zip(got, want))
+            agree.setdefault(f"reference's first {n} tokens in int8 top {GEN_TOP}", []).extend(
+                reference_tokens_in_top(onnx_model, ids, mask, want, n, GEN_TOP, fill[1]))
+        same = all(rows_same)
+        ok = same or m.dtype == "int8"
+        what = "greedy tokens" if beams == 1 else f"beam({beams}) tokens"
+        bad = rows_same.index(False) if not same else 0
+        record("generate", what, S, B, None, ok,
+               "identical" if same else f"row {bad} differs: {got[bad][:8]} vs {list(want[bad][:8])}"
+               + (" (int8: judged by agreement)" if m.dtype == "int8" else ""))
+
+
+def _judge_agreement(agree: dict[str, list[bool]], agreement: Agreement, record) -> None:
+    """An int8 export passes by how often its answers agree with the reference's."""
+    need = {"best span identical": agreement.span, f"reference span in top {QA_TOP}": agreement.span_in_top,
+            "label identical": agreement.label, "argmax token identical": agreement.label,
+            f"cosine >= {EMBED_COSINE}": agreement.label,
+            f"reference's first {agreement.tokens_prefix} tokens in int8 top {GEN_TOP}": agreement.tokens}
+    for what, votes in agree.items():
+        share = sum(votes) / max(len(votes), 1)
+        if what not in need:  # reported, not judged (identical greedy sequences: see the module docstring)
+            record("agreement", what, 0, 0, None, True, f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (reported)")
+            continue
+        record("agreement", what, 0, 0, None, share >= need[what],
+               f"{sum(votes)}/{len(votes)} = {100 * share:.1f}% (need >= {100 * need[what]:.0f}%)")
 
 
 def _int8_attention_matches(model_dir: Path, m) -> tuple[bool, str]:

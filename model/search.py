@@ -150,29 +150,48 @@ def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
     return [tokens[i + n - 1] for i in range(cur_len - n + 1) if tokens[i:i + n - 1] == prefix]
 
 
+@dataclass(frozen=True)
+class StepConstraints:
+    """What the logits processors do to one row's scores at one step: `banned` tokens go to -inf;
+    when `forced` is not empty every other token goes to -inf and these to 0 (the last forcing
+    processor's tokens: forced-eos over forced-bos). `process_scores` applies them with NumPy; the
+    service's fixed-shape decoder applies them on the device (service/regroup.py `step_tail_graph`)."""
+
+    banned: tuple[int, ...] = ()
+    forced: tuple[int, ...] = ()
+
+
+def step_constraints(row: list[int], s: SearchSettings) -> StepConstraints:
+    """The logits processors of one decoder row (start token included), in transformers' order.
+    A banned id past the vocabulary bans nothing (the appliers skip it)."""
+    cur_len = len(row)
+    banned = banned_ngram_tokens(row, s.no_repeat_ngram_size) if s.no_repeat_ngram_size > 0 else []
+    if s.min_length > 0 and s.eos_token_ids and cur_len < s.min_length:
+        banned += s.eos_token_ids
+    forced: tuple[int, ...] = ()
+    if s.forced_bos_token_id is not None and cur_len == 1:
+        forced = (s.forced_bos_token_id,)
+    if s.forced_eos_token_ids and cur_len == s.max_length - 1:
+        forced = s.forced_eos_token_ids
+    return StepConstraints(tuple(banned), forced)
+
+
 def process_scores(sequences: np.ndarray, scores: np.ndarray, s: SearchSettings) -> np.ndarray:
     """The one per-step logits processing, in transformers' order (no-repeat-ngram, min-length,
-    forced-bos, forced-eos). sequences: (N, cur_len) int64, the decoder rows so far (start token included);
-    scores: (N, V) float32 (logits for greedy, log-probs for beam). Returns new scores with
-    forbidden tokens at -inf. Rows that differ in length or settings (the service's decoding batch)
-    call it one row at a time: sequences (1, own cur_len), with their own settings."""
+    forced-bos, forced-eos; `step_constraints`). sequences: (N, cur_len) int64, the decoder rows so far
+    (start token included); scores: (N, V) float32 (logits for greedy, log-probs for beam). Returns
+    new scores with forbidden tokens at -inf. Rows that differ in length or settings (the service's
+    decoding batch) call it one row at a time: sequences (1, own cur_len), with their own settings."""
     scores = scores.copy()
-    N, cur_len = sequences.shape
     V = scores.shape[-1]
-    if s.no_repeat_ngram_size > 0:
-        rows = sequences.tolist()
-        for i in range(N):
-            banned = [t for t in banned_ngram_tokens(rows[i], s.no_repeat_ngram_size) if t < V]
-            if banned:
-                scores[i, banned] = NEG_INF
-    if s.min_length > 0 and s.eos_token_ids and cur_len < s.min_length:
-        scores[:, list(s.eos_token_ids)] = NEG_INF
-    if s.forced_bos_token_id is not None and cur_len == 1:
-        scores[:] = NEG_INF
-        scores[:, s.forced_bos_token_id] = 0.0
-    if s.forced_eos_token_ids and cur_len == s.max_length - 1:
-        scores[:] = NEG_INF
-        scores[:, list(s.forced_eos_token_ids)] = 0.0
+    for i, row in enumerate(sequences.tolist()):
+        c = step_constraints(row, s)
+        banned = [t for t in c.banned if t < V]
+        if banned:
+            scores[i, banned] = NEG_INF
+        if c.forced:
+            scores[i] = NEG_INF
+            scores[i, list(c.forced)] = 0.0
     return scores
 
 
@@ -180,6 +199,18 @@ def greedy_tokens(sequences: np.ndarray, logits: np.ndarray, s: SearchSettings) 
     """The greedy choice for each row: the first maximum (as torch.argmax) of the processed
     float32 logits. sequences (N, cur_len) int64, logits (N, V) -> (N,) int64."""
     return np.argmax(process_scores(sequences, np.asarray(logits, dtype=np.float32), s), axis=-1)
+
+
+def constrained_argmax(logits: np.ndarray, c: StepConstraints) -> int:
+    """`greedy_tokens` of one row from its constraints: the first maximum of (V,) float32 logits
+    processed by `c` (the smallest forced token when forced)."""
+    if c.forced:
+        return min(c.forced)
+    banned = [t for t in c.banned if t < len(logits)]
+    if banned:
+        logits = logits.copy()
+        logits[banned] = NEG_INF
+    return int(np.argmax(logits))
 
 
 def is_finished(sequence_length: int, token: int, s: SearchSettings) -> bool:

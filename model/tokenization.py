@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -221,15 +222,21 @@ def special_token_mismatches(directory, tokenizer, config: dict, reads: tuple[st
 
 # ---- a document's tokens, counted as they come: an over-limit document costs about its first `limit`
 # Tokenizing is linear in the text, and a 2 MB document costs seconds: `encode_within` tokenizes
-# a long text in chunks cut at a space between two ASCII letters or digits ("word word"), and stops
-# once the limit is passed. For the tokenizer pieces `chunk_safe` accepts, no token spans such a
-# cut and each side tokenizes alone as it does within the whole (normalizers that map characters
-# one by one, pre-tokenizers that split at that space, added tokens that hold no space), so the
-# chunks' tokens, their offsets moved by the chunk's start, are the whole text's
+# a long text in chunks and stops once the limit is passed. A chunk ends at a cut (`chunk_cuts`):
+# a space between two ASCII letters or digits ("word word"), and for pre-tokenizers that split at
+# every space and punctuation mark (BERT's, `Whitespace`) also where a word meets ASCII punctuation
+# ("word," ",word"), outside the special tokens' texts ("[SEP]"). For the tokenizer pieces it
+# accepts (normalizers that map characters one by one, pre-tokenizers that split at the cut, added
+# tokens that hold no space), no token spans a cut and each side tokenizes alone as it does within
+# the whole, so the chunks' tokens, their offsets moved by the chunk's start, are the whole text's
 # (tests/model/test_encode_within.py checks this against one encode on the shipped tokenizers and
-# on byte-level BPE and SentencePiece ones). Other tokenizers get one encode, as a text without
-# such a space does for its part past the last one.
-_CUT = re.compile(r"(?<=[0-9A-Za-z]) (?=[0-9A-Za-z])")
+# on byte-level BPE and SentencePiece ones). Other tokenizers get one encode, as a text without a
+# cut does for its part past the last one (e.g. 2 MB of CJK characters or of "a,a,a," on a
+# byte-level BPE).
+_SPACE_CUT = re.compile(r"(?<=[0-9A-Za-z]) (?=[0-9A-Za-z])")
+_PUNCT = r"!-/:-@\[-`{-~"
+_WORD_CUT = re.compile(rf"(?<=[0-9A-Za-z])(?=[ {_PUNCT}])|(?<=[{_PUNCT}])(?=[ 0-9A-Za-z])")
+_WORD_SPLITTING = {"BertPreTokenizer", "Whitespace"}  # each space dropped, punctuation apart from words
 _CHUNK_SAFE_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "StripAccents",
                            "Precompiled"}
 _CHUNK_SAFE_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
@@ -252,48 +259,76 @@ def _chunk_safe_piece(piece: dict | None, safe: set[str]) -> bool:
     return kind in safe
 
 
-def chunk_safe(tokenizer) -> bool:
-    """Whether `encode_within` may tokenize the tokenizer's texts in chunks (see above)."""
+@dataclass(frozen=True)
+class ChunkCuts:
+    """Where `encode_within` may cut a text for a tokenizer: `pattern` finds the cuts; none may
+    fall inside an occurrence of one of `keep` (the added tokens' texts that a cut could split)."""
+
+    pattern: re.Pattern
+    keep: tuple[str, ...] = ()
+
+    def last(self, text: str, lo: int, hi: int) -> int | None:
+        """The last cut in [lo, hi), looked for near hi first."""
+        for start in (max(lo, hi - 1024), lo):
+            for m in reversed(list(self.pattern.finditer(text, start, hi))):
+                if self.allowed(text, m.start()):
+                    return m.start()
+            if start == lo:
+                return None
+        return None
+
+    def first(self, text: str, pos: int) -> int:
+        """The first cut at or after pos, else the text's end."""
+        while (m := self.pattern.search(text, pos)) is not None:
+            if self.allowed(text, m.start()):
+                return m.start()
+            pos = m.start() + 1
+        return len(text)
+
+    def allowed(self, text: str, i: int) -> bool:
+        return i > 0 and not any(text.find(k, max(0, i - len(k) + 1), i + len(k) - 1) >= 0 for k in self.keep)
+
+
+def chunk_cuts(tokenizer) -> ChunkCuts | None:
+    """Where `encode_within` may cut the tokenizer's texts into chunks (see above); None: nowhere."""
     import json
 
     if tokenizer.truncation is not None or tokenizer.padding is not None:
-        return False
-    for component, safe in ((tokenizer.normalizer, _CHUNK_SAFE_NORMALIZERS),
-                            (tokenizer.pre_tokenizer, _CHUNK_SAFE_PRE_TOKENIZERS)):
-        if component is not None and not _chunk_safe_piece(json.loads(component.__getstate__()), safe):
-            return False
+        return None
+    pieces = {}
+    for name, component, safe in (("normalizer", tokenizer.normalizer, _CHUNK_SAFE_NORMALIZERS),
+                                  ("pre_tokenizer", tokenizer.pre_tokenizer, _CHUNK_SAFE_PRE_TOKENIZERS)):
+        pieces[name] = None if component is None else json.loads(component.__getstate__())
+        if not _chunk_safe_piece(pieces[name], safe):
+            return None
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
     for token in tokenizer.get_added_tokens_decoder().values():
         text = token.content
         if any(c.isspace() for c in text) or (token.single_word or token.lstrip or token.rstrip) and \
                 (text[:1].isalnum() or text[-1:].isalnum()):
-            return False
-    return True
-
-
-def _cut(text: str, lo: int, hi: int) -> int:
-    """The last cut (a space between ASCII letters or digits) in [lo, hi), else the first after
-    hi, else the text's end."""
-    i = hi
-    while (i := text.rfind(" ", lo, i)) > lo:
-        if text[i - 1].isascii() and text[i - 1].isalnum() and text[i + 1].isascii() and text[i + 1].isalnum():
-            return i
-    m = _CUT.search(text, hi)
-    return m.start() if m else len(text)
+            return None
+    if (pieces["pre_tokenizer"] or {}).get("type") in _WORD_SPLITTING:
+        return ChunkCuts(_WORD_CUT, tuple(t for t in added if len(t) > 1 and _WORD_CUT.search(t)))
+    return ChunkCuts(_SPACE_CUT)
 
 
 def encode_within(tokenizer, text: str, limit: int, chunk_chars: int | None = None):
     """(ids, offsets, read) of `text` without special tokens: as `tokenizer.encode(text)` when it
     has at most `limit` tokens (`read` is then len(text)); else the tokens of its chunks (see
     above) up to the one where the limit was passed, which ends at character `read`. `chunk_chars`:
-    the chunks' size (default: 4 characters per token of the limit, at least 4096, at most 65536).
-    Through `encode_batch`, which releases the GIL while it runs (`encode` holds it)."""
+    the chunks' size (default: 4 characters per token of the limit, at least 4096, at most 65536;
+    a chunk ends at the last cut in its second half, else at the first cut after it). Through
+    `encode_batch`, which releases the GIL while it runs (`encode` holds it)."""
     chunk = chunk_chars or min(1 << 16, max(4096, 4 * limit))
-    if len(text) <= chunk or not chunk_safe(tokenizer):
+    cuts = chunk_cuts(tokenizer) if len(text) > chunk else None
+    if cuts is None:
         (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
         return enc.ids, enc.offsets, len(text)
     ids, offsets, start = [], [], 0
     while start < len(text) and len(ids) <= limit:
-        end = len(text) if len(text) - start <= chunk else _cut(text, start + chunk // 2, start + chunk)
+        end = len(text)
+        if len(text) - start > chunk:
+            end = cuts.last(text, start + chunk // 2, start + chunk) or cuts.first(text, start + chunk)
         (enc,) = tokenizer.encode_batch([text[start:end]], add_special_tokens=False)
         ids += enc.ids
         offsets += enc.offsets if start == 0 else [(a + start, b + start) for a, b in enc.offsets]

@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from longdoc.export.manifest import PER_TOKEN_OUTPUTS
-from longdoc.model.search import SearchSettings, greedy_tokens, is_finished
+from longdoc.model.search import SearchSettings, is_finished, step_constraints
 from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
 from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from longdoc.service.metrics import Metrics
@@ -63,17 +63,34 @@ class RequestState:
         return self.deadline - time.monotonic()
 
 
+class Backoff:
+    """The one restart back-off, of a failed worker (WorkerSlot) and of a front end that exited
+    (service/frontends.py): `delay` starts at `first_s` (at most `max_s`) and doubles, from at
+    least 0.1 s, up to `max_s` with each attempt that fails again; `reset` after a success."""
+
+    def __init__(self, first_s: float, max_s: float):
+        self.first_s, self.max_s = first_s, max_s
+        self.delay = min(first_s, max_s)
+
+    def failed(self) -> float:
+        """One more failed attempt: the delay before the next one."""
+        self.delay = min(max(self.delay * 2, 0.1), self.max_s)
+        return self.delay
+
+    def reset(self) -> None:
+        self.delay = min(self.first_s, self.max_s)
+
+
 class WorkerSlot:
     """One worker and the single thread that runs it; replaced on failure. Restart attempts
-    back off from `backoff_s`, doubling up to `max_backoff_s`."""
+    back off (`Backoff`) from `backoff_s`, doubling up to `max_backoff_s`."""
 
     def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0):
         self.factory = factory
         self.worker = worker
         self.index = index
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{index}")
         self._aside: ThreadPoolExecutor | None = None  # a second thread, for work that overlaps (call_aside)
         self.healthy = True
@@ -96,14 +113,14 @@ class WorkerSlot:
     def mark_down(self) -> None:
         """Not healthy; the first restart attempt is due after `backoff_s`."""
         self.healthy = False
-        self.next_attempt = time.monotonic() + min(self.backoff_s, self.max_backoff_s)
+        self.backoff.reset()
+        self.next_attempt = time.monotonic() + self.backoff.delay
 
     async def restart(self, metrics: Metrics, model: str) -> None:
         if self.healthy:
             self.mark_down()
         metrics.refresh_ready()
         old = self.worker
-        delay = min(self.backoff_s, self.max_backoff_s)
         while True:
             await asyncio.sleep(max(0.0, self.next_attempt - time.monotonic()))
             try:
@@ -114,8 +131,8 @@ class WorkerSlot:
                 self.worker = await self.call(self.factory)
                 break
             except Exception:
+                delay = self.backoff.failed()
                 log.exception("restarting worker %d of %s failed; retrying in %.1f s", self.index, model, delay)
-                delay = min(max(delay * 2, 0.1), self.max_backoff_s)
                 self.next_attempt = time.monotonic() + delay
         metrics.worker_restarts.labels(model).inc()
         self.healthy = True
@@ -564,12 +581,14 @@ class DecodeScheduler:
             await self.slot.call(self.slot.worker.release)
             return
         self.metrics.batch_size.labels(self.model).observe(len(live))  # sequences in this decoder step
-        logits = await self.slot.call(self.slot.worker.step, [j.state for j in live],
-                                      [j.sequence[-1] for j in live])  # (n, V)
+        # each sequence's greedy choice under its own settings (model/search.py's processors as
+        # constraints, which the worker applies on the device or to the logits on the host)
+        constraints = [step_constraints(j.sequence, j.settings) for j in live]
+        chosen = await self.slot.call(self.slot.worker.step_greedy, [j.state for j in live],
+                                      [j.sequence[-1] for j in live], constraints)
         still = []
-        for job, row in zip(live, logits):  # (V,) each: the search's greedy choice, row by row
+        for job, tok in zip(live, chosen):
             s = job.settings
-            tok = int(greedy_tokens(np.asarray([job.sequence], dtype=np.int64), row[None], s)[0])
             job.sequence.append(tok)
             if tok not in s.eos_token_ids:  # the eos that ends a summary is not part of it
                 job.tokens.put_nowait(tok)

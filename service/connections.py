@@ -230,8 +230,10 @@ def limited_protocol(settings) -> type[H11Protocol]:
         def _head_waiting(self) -> bool:
             """A whole request head is in the socket's buffer, not yet read (a probe sends its head
             at once; a flood that fills the waiting room sends part of one, or nothing)."""
-            fd = self.transport.get_extra_info("socket").fileno()
-            sock = socket.socket(fileno=fd)  # the transport's own socket: peeked at, then let go
+            transport_socket = self.transport.get_extra_info("socket")
+            if transport_socket is None:
+                return False
+            sock = socket.socket(fileno=transport_socket.fileno())  # the transport's own: peeked at, then let go
             try:
                 return b"\r\n\r\n" in sock.recv(self.max_head_bytes + 4, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except OSError:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from longdoc.service import errors
-from longdoc.service.batcher import RequestState
+from longdoc.service.batcher import Backoff, RequestState
 from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, Unavailable
 
@@ -400,8 +400,8 @@ async def run_engine(settings, worker_factory) -> int:
 
     async def keep(i: int) -> None:
         """A front end that exits while the engine runs is started again, after the workers'
-        restart back-off (doubling up to its maximum while it keeps failing within a minute)."""
-        backoff = settings.worker_restart_backoff_s
+        restart back-off (doubling up to its maximum while it keeps exiting within a minute)."""
+        backoff = Backoff(settings.worker_restart_backoff_s, settings.worker_restart_max_backoff_s)
         while True:
             started = time.monotonic()
             await asyncio.to_thread(processes[i].join)
@@ -409,15 +409,15 @@ async def run_engine(settings, worker_factory) -> int:
                 return
             multiprocess.mark_process_dead(processes[i].pid)
             if time.monotonic() - started > 60:
-                backoff = settings.worker_restart_backoff_s
+                backoff.reset()
             log.error("front end %d (pid %d) exited with %s; starting it again in %.1f s", i, processes[i].pid,
-                      processes[i].exitcode, backoff)
+                      processes[i].exitcode, backoff.delay)
             try:
-                await asyncio.wait_for(stop.wait(), backoff)
+                await asyncio.wait_for(stop.wait(), backoff.delay)
                 return  # shutting down meanwhile
             except TimeoutError:
                 pass
-            backoff = min(2 * backoff, settings.worker_restart_max_backoff_s)
+            backoff.failed()  # the next exit within a minute waits longer
             processes[i] = spawn(i)
 
     try:

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         None, description="summarize: encode newcomers on a second thread while the decode batch steps; "
                           "unset: on for cuda, off for cpu (where both would share the same cores)")
 
+    decoder_steps: Literal["auto", "dynamic", "fixed", "captured"] = Field(
+        "auto", description="summarize: how decoder steps run: dynamic (each step at the batch's own lengths), "
+                            "fixed (every shape fixed, greedy chosen on the device) or captured (fixed, replayed "
+                            "as CUDA graphs; cuda only); auto: captured on cuda, dynamic on cpu")
+
     # request limits
     max_document_bytes: int = Field(2_000_000, ge=1, description="bytes per document (413 beyond)")
     max_document_tokens: int = Field(65536, ge=1, description="tokens per document (413 beyond)")

@@ -164,7 +164,8 @@ class SummarizeRequest(_Body):
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False,
                                          description="Default: the model's, else 1.0.")
     no_repeat_ngram_size: int | None = Field(None, ge=0, le=16, description="Default: the model's, else 0.")
-    stream: StrictBool = Field(False, description="Server-sent events: one `token` event per token, then `done`.")
+    stream: StrictBool = Field(False, description="Server-sent events: `token` events (a piece of text and its "
+                                                  "tokens' ids), then `done`.")
 
 
 class ClassifyRequest(_Body):

@@ -45,4 +45,6 @@ def on_cpu(worker):
     if worker.decoder is not None:
         decoder = worker.decoder
         decoder.device_type = decoder.encoder.device_type = decoder.regroup.device_type = "cpu"
+        if decoder.fixed is not None:  # the CPU provider captures nothing: fixed shapes, replayed as runs
+            decoder.fixed.cuda_graph = False
     return worker

@@ -62,8 +62,8 @@ def same(answer, shown, where="") -> None:
         assert answer == shown, (where, answer, shown)
 
 
-def test_the_readme_shows_one_request_of_each_task():
-    assert sorted(task for _, task, _, _ in readme_requests()) == ["classify", "qa", "summarize"]
+def test_the_readme_shows_a_request_of_each_task():
+    assert {task for _, task, _, _ in readme_requests()} >= {"classify", "qa", "summarize"}
 
 
 def test_the_readme_requests_give_the_answers_it_shows():

@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from longdoc.export.generation import generated_tokens
-from longdoc.model.search import SearchSettings, beam_search, greedy_search
+from longdoc.model.search import SearchSettings, StepConstraints, beam_search, constrained_argmax, greedy_search
 from longdoc.service.workers import EncoderBatch, ModelInfo
 
 
@@ -106,6 +106,9 @@ class FakeWorker:
     def step(self, states: list[Any], tokens: list[int]) -> np.ndarray:
         self.steps.append(len(states))
         return self._next_logits(states)
+
+    def step_greedy(self, states: list[Any], tokens: list[int], constraints: list[StepConstraints]) -> list[int]:
+        return [constrained_argmax(row, c) for row, c in zip(self.step(states, tokens), constraints)]
 
     def release(self) -> None:
         pass

@@ -149,7 +149,7 @@ def test_sparse_scores_are_written_once(qa_model):
     ids = rng.integers(7, 300, (2, S))
     mask = np.ones_like(ids)
     mask[1, 200:] = 0  # a padded row: the bias is not all zeros
-    feed, _ = qa_model._encoder_feed(ids, mask)
+    feed, _ = qa_model.encoder_feed(ids, mask)
     assert qa_model._layouts and {key[1] for key in qa_model._layouts} >= {"block_sparse"}
     sizes: dict = {}
     for (layer, op), value in zip(probes.values(), session.run(list(probes), feed)):

@@ -145,7 +145,7 @@ def attention_probabilities(onnx_model: OnnxModel, S: int) -> dict[int, int]:
                               for name in probes)
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     ids, mask = batch(S, 1, seed=S)
-    feed, _ = onnx_model._encoder_feed(ids, mask)
+    feed, _ = onnx_model.encoder_feed(ids, mask)
     sizes: dict[int, int] = {}
     for name, value in zip(probes, session.run(list(probes), feed)):
         sizes[probes[name]] = sizes.get(probes[name], 0) + value.size
@@ -180,7 +180,7 @@ def test_full_layers_write_the_scores_once(modernbert):
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     S, heads = 96, 4
     ids, mask = batch(S, 2, seed=5)  # the second row is padded: the bias is not all zeros
-    feed, _ = onnx_model._encoder_feed(ids, mask)
+    feed, _ = onnx_model.encoder_feed(ids, mask)
     square = sorted(probes[name] for name, value in zip(probes, session.run(list(probes), feed))
                     if value.size >= 2 * heads * S * S)
     assert square == ["MatMul", "MatMul", "Softmax", "Softmax"]  # per full layer: Q.K^T and its softmax
@@ -213,7 +213,7 @@ def test_full_layers_run_their_queries_in_chunks_exactly(modernbert, tmp_path, m
     graph.graph.output.extend(onnx.helper.make_tensor_value_info(name, types[name], None) for name in probes)
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     S, heads, B = 96, 4, 2  # padded to 96: 4 chunks of 24 rows
-    feed, _ = chunked._encoder_feed(*batch(S, B, seed=5))
+    feed, _ = chunked.encoder_feed(*batch(S, B, seed=5))
     sizes = [(probes[name], value.size) for name, value in zip(probes, session.run(list(probes), feed))]
     assert max(size for _, size in sizes) == B * heads * 24 * S
     assert sorted(op for op, size in sizes if size == B * heads * 24 * S) == ["MatMul"] * 4 + ["Softmax"] * 4

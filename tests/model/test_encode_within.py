@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, normalizers
 
-from longdoc.model.tokenization import chunk_safe, encode_within
+from longdoc.model.tokenization import chunk_cuts, encode_within
 from tests.counting_tokenizer import CountingTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,15 +47,16 @@ def tokenizer(name: str) -> Tokenizer:
 
 NAMES = ["qa", "summarize", "fake", "bytelevel", "bytelevel-prefix", "sentencepiece"]
 PIECES = ["the", "fox", "Jumps", "e", "3", "14", "umount2", "café", "naïve", "日本語", "ＦＵＬＬ", "🙂", "-", "--",
-          ",", ".", "(", ")", "[SEP]", "<s>", "</s>", "\u200b", "\u00a0", "Ǆ", "x" * 120]
+          ",", ".", "(", ")", "[SEP]", "[UNK]", "<s>", "</s>", "\u200b", "\u00a0", "Ǆ", "x" * 120, "a,b",
+          "#", "'s", ",[", "]."]
 SPACES = [" ", " ", " ", "  ", "   ", "\n", "\t", " \n ", ""]
 texts = st.lists(st.tuples(st.sampled_from(PIECES), st.sampled_from(SPACES)), min_size=1, max_size=60).map(
     lambda parts: "".join(p + s for p, s in parts))
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_tokenizers_here_are_chunk_safe(name):
-    assert chunk_safe(tokenizer(name))
+def test_the_tokenizers_here_are_cut_in_chunks(name):
+    assert chunk_cuts(tokenizer(name)) is not None
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -71,14 +72,14 @@ def test_chunks_give_one_encodes_tokens(name, text, chunk_chars, limit):
         assert (ids, offsets, read) == (whole.ids, whole.offsets, len(text))
     else:  # over: a prefix of the whole's tokens, past the limit
         assert len(ids) > limit and ids == whole.ids[: len(ids)] and offsets == whole.offsets[: len(ids)]
-        assert read == len(text) or text[read] == " "
+        assert read == len(text) or chunk_cuts(tok).pattern.match(text, read)
 
 
-def test_a_tokenizer_that_is_not_chunk_safe_gets_one_encode():
+def test_a_tokenizer_that_cannot_be_cut_gets_one_encode():
     """A normalizer that strips (or prepends, as Llama's does) changes a chunk's first token."""
     tok = Tokenizer.from_str(tokenizer("bytelevel").to_str())
     tok.normalizer = normalizers.Strip()
-    assert not chunk_safe(tok)
+    assert chunk_cuts(tok) is None
     text = " ".join(["the quick brown fox"] * 50)
     whole = tok.encode(text, add_special_tokens=False)
     assert encode_within(tok, text, 10**9, 16) == (whole.ids, whole.offsets, len(text))
@@ -95,3 +96,13 @@ def test_refusing_a_huge_document_costs_about_its_first_limit_tokens():
     assert len(ids) > limit and read < len(doc)
     assert tok.characters == read <= first + 65536, (tok.characters, first)
     assert tok.characters < len(doc) / 4
+
+
+def test_a_document_of_words_and_punctuation_without_spaces_is_cut_too():
+    """BERT's pre-tokenizer splits at punctuation as at spaces: 1.9 MB of "word,word," is cut at
+    each comma (and never inside "[SEP]"), and refused after about its first `limit` tokens."""
+    tok = CountingTokenizer(tokenizer("qa"))
+    doc = ("alpha,beta.gamma[SEP]delta(x)" * 70_000)[:1_900_000]
+    ids, _, read = encode_within(tok, doc, 65536)
+    assert len(ids) > 65536 and tok.characters == read < len(doc) / 4
+    assert ids == tok.tokenizer.encode(doc[:read], add_special_tokens=False).ids

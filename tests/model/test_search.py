@@ -153,3 +153,19 @@ def test_topk_is_the_head_of_a_stable_descending_sort(rows, k, m, levels, seed):
     values, idx = topk(x, k)
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_array_equal(values, np.take_along_axis(x, want_idx, axis=-1))
+
+
+@given(st.lists(st.integers(0, 6), min_size=0, max_size=12), st.integers(0, 3), st.integers(0, 8),
+       st.sampled_from([None, 4]), st.sampled_from([(), (EOS,), (EOS, 5)]), st.integers(0, 10**6))
+def test_step_constraints_give_greedy_tokens_choice(tail, ngram, min_length, bos, forced_eos, seed):
+    """The service's device greedy applies `step_constraints` (banned tokens, forced ones) instead
+    of `process_scores`: their argmax is the same token for every row, setting and tie (logits
+    drawn from a few values, so that maxima repeat)."""
+    from longdoc.model.search import constrained_argmax, greedy_tokens, step_constraints
+
+    row = [START, *tail]
+    s = settings(no_repeat_ngram_size=ngram, min_length=min_length, forced_bos_token_id=bos,
+                 forced_eos_token_ids=forced_eos, max_length=len(row) + np.random.default_rng(seed).integers(1, 3))
+    logits = np.random.default_rng(seed).integers(-2, 3, V).astype(np.float32)
+    want = int(greedy_tokens(np.array([row]), logits[None], s)[0])
+    assert constrained_argmax(logits, step_constraints(row, s)) == want

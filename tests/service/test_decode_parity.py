@@ -53,14 +53,17 @@ def reference(model, ids: list[int], **options) -> list[int]:
     return out[: out.index(eos)] if eos in out else out
 
 
-@pytest.fixture(params=["cpu", "io-binding"])
+@pytest.fixture(params=["cpu", "cpu-fixed", "io-binding"])
 def make_worker(request, monkeypatch):
-    """The CPU worker, or the CUDA worker (ONNX Runtime claims CUDA, sessions run on CPU) with its
-    I/O-binding encoder on the CPU provider; both decode with the state on the device (DeviceDecoder)."""
+    """The CPU worker (its default steps, and fixed-shape steps), or the CUDA worker (ONNX Runtime
+    claims CUDA, sessions run on CPU) with its I/O-binding encoder on the CPU provider and its
+    default steps (captured: fixed shapes, run without capture on the CPU provider); all decode
+    with the state on the device (DeviceDecoder)."""
 
     def make(directory) -> OnnxWorker:
-        if request.param == "cpu":
-            return OnnxWorker("sum", directory, "cpu", threads=1)
+        if request.param.startswith("cpu"):
+            steps = "fixed" if request.param == "cpu-fixed" else None
+            return OnnxWorker("sum", directory, "cpu", threads=1, decoder_steps=steps)
         claim_cuda(ort, monkeypatch.setattr)
         worker = on_cpu(CudaWorker("sum", directory, "cuda", threads=1))
         # encode-then-step, as the CPU worker: which steps the newcomers share is then fixed by the
@@ -100,8 +103,8 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
     model = worker.model
     assert worker.info.generation["min_length"] == TINY_GENERATION["min_length"]
     sizes = []  # sequences per decoder step
-    step = worker.step
-    worker.step = lambda states, tokens: sizes.append(len(states)) or step(states, tokens)
+    step = worker.step_greedy
+    worker.step_greedy = lambda states, *args: sizes.append(len(states)) or step(states, *args)
     docs = [document_ids(model, text_of(n, seed)) for n, seed in ((300, 1), (40, 2), (150, 3), (90, 4))]
     # each request its own settings over the model's defaults; the first outlives the others
     requests = [dict(max_new_tokens=24, min_length=20), dict(max_new_tokens=12),
@@ -114,6 +117,8 @@ def test_scheduler_answers_as_the_reference_search(make_worker, tiny_summarize_o
 
     got = asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0)))
     assert got == want
+    if worker.decoder.fixed is not None:  # greedy chosen on the device: token ids came back, never logits
+        assert worker.decoder.fetched["tokens"] > 0 and worker.decoder.fetched["logits"] == 0
     assert sizes[:2] == [1, 1] and {2, 3} <= set(sizes)  # joined at different steps, shared steps
 
 
@@ -125,8 +130,8 @@ def sse_tokens(body: str) -> tuple[list[int], dict]:
     return [i for name, d in events if name == "token" for i in d["ids"]], events[-1][1]["results"][0]
 
 
-async def ask(directory, bodies: list[dict]) -> list[httpx.Response]:
-    app = create_app(Settings(models={"sum": str(directory)}, threads=1, warmup=False))
+async def ask(directory, bodies: list[dict], **settings) -> list[httpx.Response]:
+    app = create_app(Settings(models={"sum": str(directory)}, threads=1, warmup=False, **settings))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             return await asyncio.gather(*(c.post("/v1/summarize", json=b, timeout=120) for b in bodies))
@@ -158,12 +163,14 @@ def test_app_answers_as_the_reference_search(tiny_summarize_options_dir):
     assert tokens == ref(0, no_repeat_ngram_size=0)
 
 
-def test_shipped_summarizer_forces_eos_as_offline():
+@pytest.mark.parametrize("steps", ["auto", "fixed"])
+def test_shipped_summarizer_forces_eos_as_offline(steps):
     """models/summarize sets forced_eos_token_id 102: with max_new_tokens=4 the fourth position
     is eos, so three tokens come back (the scheduler used to add a fourth). getsockopt(2): its
     first three greedy tokens ("manipulate socket options") win by 0.70, 2.48 and 2.16 logits. Near
     ties may flip between the offline call and the service (int8's dynamic activation scales span
-    the decoding batch, and the thread counts differ): a third token won by 0.01 did in a CI run."""
+    the decoding batch, and the thread counts differ): a third token won by 0.01 did in a CI run.
+    The shipped export predates fixed-shape steps and serves them too (the same graph)."""
     from longdoc.export.runtime import OnnxModel
 
     model = OnnxModel(SHIPPED, threads=1)
@@ -172,7 +179,8 @@ def test_shipped_summarizer_forces_eos_as_offline():
     want = reference(model, document_ids(model, page), max_new_tokens=4)
     assert model.tokenizer.decode(want) == "manipulate socket options"
     plain, streamed = asyncio.run(ask(SHIPPED, [{"document": page, "max_new_tokens": 4},
-                                                {"document": page, "max_new_tokens": 4, "stream": True}]))
+                                                {"document": page, "max_new_tokens": 4, "stream": True}],
+                                         decoder_steps=steps))
     assert plain.status_code == streamed.status_code == 200
     assert plain.json()["results"][0]["generated_tokens"] == 3
     assert plain.json()["results"][0]["summary"] == model.tokenizer.decode(want)

@@ -16,12 +16,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from longdoc.model.search import resolve_settings
+from longdoc.model.search import StepConstraints, resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.batching import bucket_length, budget_groups
 from longdoc.service.metrics import Metrics
-from longdoc.service.regroup import Regroup, take_graph
-from longdoc.service.workers import OnnxWorker
+from longdoc.service.regroup import Regroup, fill_graph, step_tail_graph, take_graph
+from longdoc.service.workers import CudaWorker, OnnxWorker
 from longdoc.testing.fake_worker import FakeWorker
 from tests.service.test_decode_parity import document_ids, reference, scheduled, text_of
 from longdoc.testing.tiny_models import make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export, make_tiny_led
@@ -341,3 +341,244 @@ def test_the_batch_steps_while_a_newcomer_is_encoded(overlap):
         assert head + tail == [t for t in ids if t > 6][:6]
     else:
         assert tail is None  # held behind the encoder
+
+
+# --- fixed-shape steps (docs/gpu.md, "Fixed-shape decoder steps") ---------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_step_tail_writes_the_cache_in_place_and_chooses_greedily(dtype):
+    """The fixed-shape step's tail: each present's new column lands in its cache at the row's
+    position (the buffer bound as input and output alike, nothing else written), and the token
+    is the first maximum of the logits without the row's banned tokens (`vocab` = no token)."""
+    B, H, P, D, V, K = 3, 2, 5, 4, 11, 2
+    graph = step_tail_graph(dtype, 2, B, H, P, D, V, K)
+    onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
+    onnx.checker.check_model(onnx.load_from_string(fill_graph(dtype, 4, 2)), full_check=True)
+    rng = np.random.default_rng(0)
+    present = [rng.standard_normal((B, H, P + 1, D)).astype(dtype) for _ in range(2)]
+    cache = [ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((B, H, P, D)).astype(dtype)) for _ in range(2)]
+    was = [c.numpy().copy() for c in cache]
+    positions = np.array([[0], [4], [2]], np.int64)
+    logits = rng.integers(-2, 3, (B, 1, V)).astype(np.float32)  # ties: the first maximum wins
+    banned = np.array([[V, V], [3, V], [int(logits[2, 0].argmax()), 7]], np.int64)
+    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for name, value in (("position_ids", positions), ("logits", logits), ("banned", banned)):
+        binding.bind_cpu_input(name, value)
+    for i in range(2):
+        binding.bind_cpu_input(f"present{i}", present[i])
+        binding.bind_ortvalue_input(f"cache{i}", cache[i])
+        binding.bind_ortvalue_output(f"cache_out{i}", cache[i])
+    binding.bind_output("tokens", "cpu")
+    session.run_with_iobinding(binding)
+    for i in range(2):
+        want = was[i].copy()
+        want[np.arange(B), :, positions[:, 0]] = present[i][:, :, P]
+        np.testing.assert_array_equal(cache[i].numpy(), want)
+    scores = logits[:, 0].copy()
+    for r, row in enumerate(banned):
+        scores[r, row[row < V]] = -np.inf
+    np.testing.assert_array_equal(binding.get_outputs()[-1].numpy(), scores.argmax(axis=1))
+
+
+def fixed_worker(directory) -> OnnxWorker:
+    return OnnxWorker("sum", directory, "cpu", threads=1, decoder_steps="fixed")
+
+
+def bound_addresses(dec) -> dict:
+    """Every device address the fixed-shape sessions are bound to, by shape."""
+    return {key: [v.data_ptr() for v in dec.fixed._buffers[key]] for key in dec.fixed._buffers}
+
+
+def test_fixed_shape_steps_touch_fixed_buffers_and_copy_only_step_inputs(summarizer):
+    """Fixed-shape steps (every dimension fixed: the batch at its capacity, the cross state at a
+    length bucket, a preallocated self-attention cache): three sequences, one joining at step 4,
+    one leaving at step 7, a new order after, and a cache that grows from 16 positions to 32.
+    Each row's logits are its one-sequence logits; a step copies to the device only its per-step
+    inputs (ids, positions, self mask, banned tokens; the encoder mask when the batch changes);
+    greedy steps bring back only token ids; a shape's buffers keep their addresses, and there is
+    one decoder session per shape."""
+    worker = fixed_worker(summarizer)
+    model, dec = worker.model, worker.decoder
+    docs = [document_ids(model, text_of(n, seed=n)) for n in (40, 120, 70)]
+    start = worker.info.special_tokens["decoder_start"]
+    states = worker.begin(docs[:2]) + worker.begin(docs[2:])
+    encoded = dec.copied["encoder_inputs"]
+    fed = {i: [start] for i in range(3)}
+    got = {i: [] for i in range(3)}
+    plan = [(0, 1)] * 3 + [(0, 1, 2)] * 3 + [(1, 2)] * 2 + [(2, 1)] * 12
+    addresses, shapes = None, set()
+    for step, live in enumerate(plan):
+        before, fetched = sum(dec.copied.values()), dec.fetched["tokens"]
+        b = dec._batch
+        if step % 2:  # greedy on the device, every other step
+            chosen = worker.step_greedy([states[i] for i in live], [fed[i][-1] for i in live],
+                                        [StepConstraints()] * len(live))
+            assert dec.fetched["tokens"] - fetched == 8 * dec._batch.capacity  # ids, not logits
+            logits = None
+        else:
+            logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
+            chosen = [int(row.argmax()) for row in logits]
+        b2 = dec._batch
+        rows, P, Se = b2.capacity, b2.P, b2.Se
+        shapes.add((rows, Se, P))
+        per_step = 8 * rows * (1 + 1 + (P + 1) + 4)  # ids, positions, self mask, 4 banned slots
+        sent = sum(dec.copied.values()) - before
+        assert sent == per_step + (8 * rows * Se if b2 is not b else 0), step
+        if b2 is b:  # the same shape: the same buffers
+            assert bound_addresses(dec) == addresses
+        addresses = bound_addresses(dec)
+        for j, (i, tok) in enumerate(zip(live, chosen)):
+            if logits is not None:
+                got[i].append(logits[j])
+            fed[i].append(tok)
+    assert dec.copied["encoder_inputs"] == encoded and "past" not in dec.copied
+    assert {P for _, _, P in shapes} == {16, 32}  # the cache grew once
+    assert set(dec.fixed._steps) == shapes  # one decoder session per shape
+    for i in range(3):  # the logits of the steps that brought them back, against the oracle's
+        want = one_sequence_logits(model, docs[i], fed[i][:-1])
+        steps = [k for k, live in enumerate(plan) if i in live]
+        np.testing.assert_allclose(np.array(got[i]), np.array([want[n] for n, k in enumerate(steps) if k % 2 == 0]),
+                                   rtol=1e-4, atol=1e-4)
+    worker.release()
+    assert dec._batch is None
+
+
+def test_fixed_shape_sessions_fix_every_dimension(summarizer):
+    """A fixed-shape decoder session takes only tensors of its shape (the free-dimension overrides
+    hold): fed another past length, ONNX Runtime refuses it."""
+    worker = fixed_worker(summarizer)
+    states = worker.begin([document_ids(worker.model, text_of(30, seed=1))])
+    worker.step(states, [worker.info.special_tokens["decoder_start"]])
+    b = worker.decoder._batch
+    session, _ = worker.decoder.fixed.step(b.capacity, b.Se, b.P)
+    g, d = worker.model.decoder_graph, worker.model.manifest.decoder
+    kv = lambda n: np.zeros((1, d["num_heads"], n, d["head_dim"]), worker.model.float_type)  # noqa: E731
+    one = np.ones((1, 1), np.int64)
+    feed = {"input_ids": one, "position_ids": one, g.ENCODER_MASK: np.ones((1, b.Se), np.int64),
+            **{n: kv(b.Se) for n in g.cross}}
+    session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, b.P + 1), np.int64), **{n: kv(b.P) for n in g.past}})
+    with pytest.raises(Exception, match="past|dimension|shape|Got"):
+        session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, b.P), np.int64), **{n: kv(b.P - 1) for n in g.past}})
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["encode-then-step", "encode-beside-steps"])
+def test_fixed_shape_scheduler_tokens_are_the_reference_searchs(summarizer, overlap):
+    """The scheduler over fixed-shape steps, greedy chosen on the device: greedy requests joining
+    at different steps (one past 16 positions, so the cache grows) and a beam search among them
+    give `OnnxModel.generate`'s answers, newcomers encoded beside the steps or not."""
+    worker = fixed_worker(summarizer)
+    worker.overlaps_encoding = overlap
+    model = worker.model
+    docs = [document_ids(model, text_of(n, seed)) for n, seed in ((200, 1), (40, 2), (120, 3), (90, 4))]
+    requests = [dict(max_new_tokens=24, min_length=20), dict(max_new_tokens=10, no_repeat_ngram_size=2),
+                dict(max_new_tokens=14), dict(max_new_tokens=8, num_beams=3)]
+    want = [reference(model, ids, **options) for ids, options in zip(docs, requests)]
+
+    assert asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0))) == want
+    assert worker.decoder.fetched["tokens"] > 0 and worker.decoder.fetched["logits"] == 0
+
+
+class GatedSession:
+    """An encoder session whose `gated`-th run waits for `gate` (`held` is set once it waits)."""
+
+    def __init__(self, session, gated: int):
+        self._session, self.gated, self.runs = session, gated, 0
+        self.gate, self.held = threading.Event(), threading.Event()
+
+    def run_with_iobinding(self, binding, *args):
+        self.runs += 1
+        if self.runs == self.gated:
+            self.held.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        return self._session.run_with_iobinding(binding, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def test_fixed_shape_steps_go_on_while_the_encoder_runs(summarizer):
+    """The encoder beside the steps (issue 36, item 3): while a newcomer's encoder session is
+    mid-run (held at a gate), the running sequence's fixed-shape steps go on to its last token;
+    then the newcomer joins, and both answers are the reference search's."""
+    worker = fixed_worker(summarizer)
+    worker.overlaps_encoding = True
+    dec = worker.decoder
+    dec.encoder.session = GatedSession(dec.encoder.session, gated=2)
+    model = worker.model
+    docs = [document_ids(model, text_of(n, seed)) for n, seed in ((60, 1), (90, 2))]
+    settings = resolve_settings(worker.info.generation, max_new_tokens=12)
+    want = [reference(model, ids, max_new_tokens=12) for ids in docs]
+
+    async def go():
+        scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
+                                    max_queue_tokens=1 << 20, endpoint="summarize")
+        scheduler.start()
+        state = RequestState(deadline=time.monotonic() + 120)
+        gate = dec.encoder.session
+        try:
+            first = (await scheduler.submit(docs[0], settings, state)).__aiter__()
+            head = [await first.__anext__()]
+            second = await scheduler.submit(docs[1], settings, state)
+            assert await asyncio.to_thread(gate.held.wait, 60)
+            fetched = dec.fetched["tokens"]
+
+            async def rest(stream):
+                return [t async for t in stream]
+
+            tail = await asyncio.wait_for(rest(first), 60)  # to its end, the encoder still held
+            assert not gate.gate.is_set()
+            moved_on = dec.fetched["tokens"] > fetched
+            gate.gate.set()
+            return head + tail, [t async for t in second], moved_on
+        finally:
+            gate.gate.set()
+            await scheduler.close()
+
+    first, second, moved_on = asyncio.run(go())
+    assert moved_on and [first, second] == want
+
+
+def test_a_refused_capture_leaves_the_steps_uncaptured(summarizer, monkeypatch, caplog):
+    """When ONNX Runtime will not capture (here: sessions that claim CUDA run on the CPU, which
+    captures nothing), the CUDA worker says so once and its fixed-shape steps run uncaptured,
+    with the reference's tokens."""
+    from tests.fake_cuda import claim_cuda
+
+    claim_cuda(ort, monkeypatch.setattr)
+    worker = CudaWorker("sum", summarizer, "cuda", threads=1)
+    worker.model.device = "cpu"  # as tests/fake_cuda.on_cpu, but capture left asked for
+    dec = worker.decoder
+    worker.encoder.device_type = dec.device_type = dec.encoder.device_type = dec.regroup.device_type = "cpu"
+    assert worker.decoder.steps == "captured" and worker.decoder.fixed.cuda_graph
+    ids = document_ids(worker.model, text_of(50, seed=3))
+    want = [reference(worker.model, ids, max_new_tokens=6)]
+    decoder = worker.decoder
+    with caplog.at_level("WARNING", logger="longdoc.service"):
+        got = asyncio.run(scheduled(worker, [ids], [dict(max_new_tokens=6)], reads=(0,)))
+    assert got == want and not decoder.fixed.cuda_graph
+    assert sum("capture refused" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_fixed_shape_sessions_are_bounded(summarizer, monkeypatch):
+    """Each fixed-shape decoder session holds its own weights: the worker keeps the most recently
+    used few, and a shape seen again gets a new session (captured again on CUDA: its run count
+    starts over) with the same buffers, and the same tokens."""
+    from longdoc.service import workers
+
+    monkeypatch.setattr(workers._FixedShapes, "MAX_STEP_SESSIONS", 1)
+    worker = fixed_worker(summarizer)
+    dec = worker.decoder
+    start = worker.info.special_tokens["decoder_start"]
+    short, long = (document_ids(worker.model, text_of(n, seed=n)) for n in (30, 300))
+    got, sessions = [], []
+    for ids in (short, long, short):  # the source bucket changes: another shape each time
+        states = worker.begin([ids])
+        tokens = [start]
+        for _ in range(3):
+            tokens = worker.step_greedy(states, tokens, [StepConstraints()])
+        got.append(tokens)
+        sessions.append(next(iter(dec.fixed._steps.values()))[0])
+        worker.release()
+        assert len(dec.fixed._steps) == 1 and all(s[:3] in dec.fixed._steps for s in dec.fixed.runs)
+    assert got[0] == got[2] and sessions[0] is not sessions[1] and sessions[2] is not sessions[0]

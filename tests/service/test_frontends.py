@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,6 +185,13 @@ def test_the_engine_is_ready_once_every_front_end_accepts_connections():
     asyncio.run(go())
 
 
+def metrics_dir_of(engine_pid: int) -> str:
+    """The PROMETHEUS_MULTIPROC_DIR a running `longdoc serve --front-ends N` set for its processes
+    (as its front ends were started with it: the engine's own /proc environ is its first one)."""
+    environ = Path(f"/proc/{front_end_pids(engine_pid)[0]}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+
+
 def front_end_pids(engine_pid: int) -> list[int]:
     """The engine's children that run a front end (spawned interpreters)."""
     pids = []
@@ -206,8 +214,6 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
 
     args = ["--model", f"qa={tiny_qa_dir}", "--model", f"sum={tiny_summarize_dir}", "--no-warmup",
             "--front-ends", "2"]
-    made = lambda: set(Path(tempfile.gettempdir()).glob("longdoc-metrics-*"))  # noqa: E731
-    before = made()
     key = {"Authorization": "Bearer k1"}  # the front ends get the engine's settings, keys included
     with ServeProcess(args, tmp_path / "serve.log", env={"LONGDOC_API_KEYS": "k1"}) as s:
         body = {"question": "where is the gold", "document": "the gold is in the cave by the sea"}
@@ -242,7 +248,8 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
         for _ in range(6):
             assert httpx.post(s.url + "/v1/qa", json=body, headers=key, timeout=60).status_code == 200
 
-        assert len(made() - before) == 1  # the processes' metrics directory
+        metrics_dir = Path(metrics_dir_of(s.proc.pid))  # the processes' metrics directory, made for them
+        assert metrics_dir.parent == Path(tempfile.gettempdir()) and metrics_dir.is_dir()
 
         decoding, events, times = threading.Event(), [], []
 
@@ -264,7 +271,7 @@ def test_serve_with_two_front_ends(tiny_qa_dir, tiny_summarize_dir, tmp_path):
         assert s.proc.wait(60) == 0
         assert sse_events(events)[-1][0] == "done" and times[-1] > sent  # it went on after the signal
         assert sse_events(events)[-1][1]["results"][0]["generated_tokens"] > 50  # not over at once
-    assert not front_end_pids(s.proc.pid) and made() == before
+    assert not front_end_pids(s.proc.pid) and not metrics_dir.exists()
 
 
 def test_front_ends_must_be_at_least_one():
@@ -348,6 +355,7 @@ def test_front_ends_exit_when_the_engine_is_killed(tiny_qa_dir, tmp_path):
     with ServeProcess(["--model", f"qa={tiny_qa_dir}", "--no-warmup", "--front-ends", "2"], tmp_path / "serve.log") as s:
         pids = front_end_pids(s.proc.pid)
         assert len(pids) == 2
+        metrics_dir = metrics_dir_of(s.proc.pid)
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(10)
 
@@ -362,3 +370,4 @@ def test_front_ends_exit_when_the_engine_is_killed(tiny_qa_dir, tmp_path):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", s.port))
             sock.listen()
+    shutil.rmtree(metrics_dir)  # what a killed engine cannot remove

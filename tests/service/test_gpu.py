@@ -59,12 +59,15 @@ def test_cuda_worker_encoder_matches_the_cpu_worker(fp16):
             np.testing.assert_allclose(got[name], want[name], atol=_scaled(TOLERANCE["fp16"], want[name], "fp16"), rtol=0)
 
 
+@pytest.mark.parametrize("steps", ["dynamic", "captured"])
 @pytest.mark.parametrize("model", ["summarize", "bert2bert"])
-def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model):
+def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model, steps):
     """Greedy steps with the decode state on the GPU, a sequence joining mid-way (the batch
-    assembled on the GPU), against the CPU worker's."""
+    assembled on the GPU), against the CPU worker's; dynamic steps, and fixed-shape steps
+    replayed as CUDA graphs (capture accepted: the worker still captures at the end)."""
     gpu_dir, _, cpu_dir = fp16[model]
-    gpu, cpu = CudaWorker("sum", gpu_dir, "cuda"), OnnxWorker("sum", cpu_dir, "cpu", threads=1)
+    gpu = CudaWorker("sum", gpu_dir, "cuda", decoder_steps=steps)
+    cpu = OnnxWorker("sum", cpu_dir, "cpu", threads=1)
     start = gpu.info.special_tokens["decoder_start"]
     docs = [list(range(7, 307)), list(range(20, 120))]
     g_states, c_states = gpu.begin(docs[:1]), cpu.begin(docs[:1])
@@ -80,8 +83,31 @@ def test_cuda_worker_decoder_steps_match_the_cpu_worker(fp16, model):
         # verify's fp16 criterion: 1e-2 x max(1, max |reference|) (fp16 is computed as fp16 on a GPU)
         np.testing.assert_allclose(got, want, atol=_scaled(TOLERANCE["fp16"], want, "fp16"), rtol=0)
         tokens = [int(t) for t in want.argmax(axis=-1)]
-    assert set(gpu.decoder.copied) == {"encoder_inputs", "masks", "step_inputs", "past"}  # no cross state
+    kinds = {"encoder_inputs", "masks", "step_inputs"} | ({"past"} if steps == "dynamic" else set())
+    assert set(gpu.decoder.copied) == kinds  # no cross state
     assert gpu.decoder.regroups == 3 and gpu.decoder.regroup.moved > 0
+    if steps == "captured":
+        assert gpu.decoder.fixed.cuda_graph, "ONNX Runtime refused the capture (see the log)"
+
+
+def test_captured_greedy_steps_choose_the_logits_argmax_on_cuda(fp16):
+    """Greedy on the device (issue 36, item 2): a captured step's token ids are the first
+    maximum of that step's own logits, left on the GPU, with a banned token removed."""
+    from longdoc.model.search import StepConstraints
+
+    gpu = CudaWorker("sum", fp16["summarize"][0], "cuda", decoder_steps="captured")
+    dec = gpu.decoder
+    states = gpu.begin([list(range(7, 307)), list(range(20, 120))])
+    tokens = [gpu.info.special_tokens["decoder_start"]] * 2
+    for step in range(20):  # past 16 positions: the cache grows once
+        banned = [StepConstraints(), StepConstraints(banned=(tokens[1],))]
+        chosen = gpu.step_greedy(states, tokens, banned)
+        b = dec._batch
+        logits = dec.fixed.buffers("logits", [b.capacity, 1, dec.vocab], np.float32)[0].numpy()[:, 0]
+        logits[1, tokens[1]] = -np.inf
+        assert chosen == [int(logits[0].argmax()), int(logits[1].argmax())], step
+        tokens = chosen
+    assert dec.fixed.cuda_graph and dec.fetched["logits"] == 0
 
 
 def test_full_attention_query_chunks_run_on_cuda(tmp_path, monkeypatch):

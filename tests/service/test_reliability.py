@@ -295,7 +295,8 @@ def test_livez_answers_within_02_s_while_a_2mb_document_is_tokenized_and_rejecte
     assert len(doc.encode()) < 2_000_000
     body = json.dumps({"document": doc}).encode()  # encoded here: the client thread holds no GIL for it
     r, worst, probes = livez_while(classify_server, "/v1/classify", body)
-    assert r.status_code == 413 and "440000 tokens" in r.json()["error"]["message"], r.text
+    # refused once its chunks pass the limit (longdoc.model.tokenization.encode_within)
+    assert r.status_code == 413 and "document has over 65536 tokens" in r.json()["error"]["message"], r.text
     assert worst < 0.2, f"/livez took {worst:.3f} s"
     assert probes >= 3  # /livez was asked while the document was being processed
 
@@ -507,3 +508,16 @@ def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_
         if body[-1][0] == "error":
             assert body[-1][1]["error"]["type"] == "shutting_down"
     assert exited < 15, exited  # not the 60 s grace
+
+
+def test_the_restart_back_off_doubles_to_its_maximum_and_resets():
+    """One back-off for a failed worker and an exited front end (service/batcher.py Backoff)."""
+    from longdoc.service.batcher import Backoff
+
+    b = Backoff(0.5, 3.0)
+    assert [b.delay] + [b.failed() for _ in range(4)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    b.reset()
+    assert b.delay == 0.5
+    zero = Backoff(0.0, 10.0)  # no pause at first, then from 0.1 s
+    assert [zero.delay, zero.failed(), zero.failed()] == [0.0, 0.1, 0.2]
+    assert Backoff(5.0, 1.0).delay == 1.0

@@ -150,7 +150,7 @@ def pool_window_embeddings(window_vectors: list[np.ndarray], normalize: bool) ->
     last, shorter one too), then unit length when the model normalizes; one window's text gets its
     window's vector, what sentence-transformers gives it. Chosen by measurement (data/embed_retrieval.py,
     docs/models.md "The embedding model"): finding a manual page from a sentence deep inside it, this
-    mean ties the mean of the windows' unit vectors and beats weighing windows by their tokens, the
+    mean beats the mean of the windows' unit vectors, weighing windows by their tokens, the
     elementwise max and the first window alone. (E,) float32."""
     mean = np.mean(np.stack([np.asarray(v, np.float32) for v in window_vectors]), axis=0)
     return unit(mean) if normalize else mean

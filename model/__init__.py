@@ -1,4 +1,4 @@
-"""BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED and ModernBERT models in PyTorch (one
+"""BigBird, BigBird-Pegasus, BERT2BERT, Longformer, LED, ModernBERT and BERT models in PyTorch (one
 block-sparse attention, one decoder stack, one greedy / beam search; weight-compatible with the
 public Hugging Face checkpoints) and training code.
 

@@ -490,6 +490,33 @@ class DeviceDecoder:
     def release(self) -> None:
         self._batch = None
 
+    # the running batch, read-only (empty or 0 when none runs): what a step did, for tests and probes
+    @property
+    def rows(self) -> list[DecodeState]:
+        """Each row's sequence, those that left included (masked until a newcomer takes the row
+        or the batch is compacted)."""
+        return list(self._batch.states) if self._batch else []
+
+    @property
+    def capacity(self) -> int:
+        """Rows the slot buffers have room for."""
+        return self._batch.capacity if self._batch else 0
+
+    @property
+    def source_length(self) -> int:
+        """The slot buffers' encoder length (Se)."""
+        return self._batch.Se if self._batch else 0
+
+    @property
+    def past_length(self) -> int:
+        """The length (P) of the self-attention past the next step reads (fixed-shape steps: the cache's)."""
+        return self._batch.P if self._batch else 0
+
+    @property
+    def cross_addresses(self) -> list[int]:
+        """The device addresses of the slot buffers (cross keys/values)."""
+        return [v.data_ptr() for v in self._batch.cross] if self._batch else []
+
     def _upload(self, kind: str, a: np.ndarray):
         self.copied[kind] += a.nbytes
         return self.regroup.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type,

@@ -81,7 +81,7 @@ def shipped_models() -> dict[str, set[str]]:
 def test_shipped_models_are_every_tracked_model_directory():
     tracked = subprocess.run(["git", "ls-files", "models"], cwd=ROOT, capture_output=True, text=True, check=True)
     dirs = {Path(f).parts[1] for f in tracked.stdout.split() if len(Path(f).parts) > 2}
-    assert dirs == set(shipped_names()) == {"qa", "summarize", "classify"}
+    assert dirs == set(shipped_names()) == {"qa", "summarize", "classify", "embed"}
 
 
 def test_a_users_export_under_models_is_left_out_of_the_copy(tmp_path, tiny_qa_dir):

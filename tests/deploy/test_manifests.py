@@ -253,7 +253,7 @@ def test_compose_serves_every_default_model():
     assert "../models:/models:ro" in service["volumes"]
     models = json.loads(service["environment"]["LONGDOC_MODELS"])
     assert models == {name: f"/models/{name}" for name in shipped_names()}
-    assert set(Settings(models=models).models) == {"qa", "summarize", "classify"}
+    assert set(Settings(models=models).models) == {"qa", "summarize", "classify", "embed"}
 
 
 def test_dashboard_layout_and_variables(monitoring):

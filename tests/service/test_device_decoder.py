@@ -119,9 +119,9 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         before = sum(dec.copied.values())
         logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
         sent = sum(dec.copied.values()) - before
-        B, P = len(dec._batch.states), dec._batch.P - 1  # rows (those that left ride along), past length
+        B, P = len(dec.rows), dec.past_length - 1  # rows (those that left ride along), past length
         per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
-        masks = 8 * B * dec._batch.Se
+        masks = 8 * B * dec.source_length
         assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
         assert sent < cross_bytes / 4
         if step == 3:  # the join was assembled on the device
@@ -138,7 +138,7 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
     with pytest.raises(ValueError, match="cannot rejoin"):
         worker.step([states[0], states[1]], [start, start])
     worker.release()
-    assert dec._batch is None
+    assert dec.rows == []
 
 
 def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
@@ -193,24 +193,23 @@ def test_a_join_writes_only_the_newcomers_cross_state(summarizer):
 
     for _ in range(2):
         step([0, 1, 2])  # three rows: buffers with room for four
-    b = dec._batch
-    assert len(b.states) == 3
-    buffers = [v.data_ptr() for v in b.cross]
-    row_bytes = dec.heads * b.Se * dec.head_dim * item * len(dec.kv)  # one sequence's cross state
+    assert len(dec.rows) == 3
+    buffers = dec.cross_addresses
+    row_bytes = dec.heads * dec.source_length * dec.head_dim * item * len(dec.kv)  # one sequence's cross state
     past_bytes = lambda rows, P: rows * dec.heads * P * dec.head_dim * item * len(dec.kv)  # noqa: E731
 
     moved = dec.regroup.moved
     step([0, 1, 2, 3])  # a join: the newcomer's row, and the (small) self-attention cache of 4 rows
     assert dec.regroup.moved - moved == row_bytes + past_bytes(4, 2)
-    assert [v.data_ptr() for v in dec._batch.cross] == buffers and dec._batch.states[3] is states[3]
+    assert dec.cross_addresses == buffers and dec.rows[3] is states[3]
     step([0, 2, 3])  # 1 leaves: its row is masked, nothing moves
     moved = dec.regroup.moved
     step([0, 2, 3, 4])  # 4 takes over 1's row
-    assert dec._batch.states[1] is states[4] and len(dec._batch.states) == 4
+    assert dec.rows[1] is states[4] and len(dec.rows) == 4
     assert dec.regroup.moved - moved == row_bytes  # the batch did not grow: the cache stays as it is
-    assert [v.data_ptr() for v in dec._batch.cross] == buffers
+    assert dec.cross_addresses == buffers
     step([0, 2, 3, 4])
-    assert dec._batch.capacity == 4
+    assert dec.capacity == 4
     for i, ids in enumerate(docs):
         want = one_sequence_logits(model, ids, fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
@@ -232,8 +231,8 @@ def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
             got[i].append(row)
             fed[i].append(int(row.argmax()))
         if live == (0, 1):
-            long_se = dec._batch.Se
-    assert dec._batch.Se == max(s.encoder_length for s in states[1:]) <= long_se // 2
+            long_se = dec.source_length
+    assert dec.source_length == max(s.encoder_length for s in states[1:]) <= long_se // 2
     for i in (1, 2):
         want = one_sequence_logits(model, docs[i], fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
@@ -258,11 +257,11 @@ def test_a_batch_mostly_gone_is_compacted(summarizer):
             tokens[id(s)] = int(row.argmax())
         got.append(logits[-1])
         fed.append(tokens[id(states[3])])
-    assert len(dec._batch.states) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
-    row_bytes = dec.heads * dec._batch.Se * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
+    assert len(dec.rows) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
+    row_bytes = dec.heads * dec.source_length * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
     past_bytes = dec.heads * 3 * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)  # one row, 3 steps in
     assert moves[3] == row_bytes + past_bytes  # the last row moved down into the first: one row's copy
-    assert dec._batch.capacity == 4  # the buffers stay, for the rows to come
+    assert dec.capacity == 4  # the buffers stay, for the rows to come
     want = one_sequence_logits(model, docs[3], fed[:-1])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
@@ -281,7 +280,7 @@ def test_scheduler_tokens_are_the_reference_searchs(summarizer, overlap):
     want = [reference(model, ids, **options) for ids, options in zip(docs, requests)]
 
     assert asyncio.run(scheduled(worker, docs, requests, reads=(2, 1, 0, 0))) == want
-    assert worker.decoder._batch is None and worker.decoder.regroups >= 2
+    assert worker.decoder.rows == [] and worker.decoder.regroups >= 2
 
 
 class HeldEncoder(FakeWorker):
@@ -409,23 +408,22 @@ def test_fixed_shape_steps_touch_fixed_buffers_and_copy_only_step_inputs(summari
     plan = [(0, 1)] * 3 + [(0, 1, 2)] * 3 + [(1, 2)] * 2 + [(2, 1)] * 12
     addresses, shapes = None, set()
     for step, live in enumerate(plan):
-        before, fetched = sum(dec.copied.values()), dec.fetched["tokens"]
-        b = dec._batch
+        before, fetched, regroups = sum(dec.copied.values()), dec.fetched["tokens"], dec.regroups
         if step % 2:  # greedy on the device, every other step
             chosen = worker.step_greedy([states[i] for i in live], [fed[i][-1] for i in live],
                                         [StepConstraints()] * len(live))
-            assert dec.fetched["tokens"] - fetched == 8 * dec._batch.capacity  # ids, not logits
+            assert dec.fetched["tokens"] - fetched == 8 * dec.capacity  # ids, not logits
             logits = None
         else:
             logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
             chosen = [int(row.argmax()) for row in logits]
-        b2 = dec._batch
-        rows, P, Se = b2.capacity, b2.P, b2.Se
+        rows, P, Se = dec.capacity, dec.past_length, dec.source_length
+        reassembled = dec.regroups != regroups
         shapes.add((rows, Se, P))
         per_step = 8 * rows * (1 + 1 + (P + 1) + 4)  # ids, positions, self mask, 4 banned slots
         sent = sum(dec.copied.values()) - before
-        assert sent == per_step + (8 * rows * Se if b2 is not b else 0), step
-        if b2 is b:  # the same shape: the same buffers
+        assert sent == per_step + (8 * rows * Se if reassembled else 0), step
+        if not reassembled:  # the same shape: the same buffers
             assert bound_addresses(dec) == addresses
         addresses = bound_addresses(dec)
         for j, (i, tok) in enumerate(zip(live, chosen)):
@@ -441,7 +439,7 @@ def test_fixed_shape_steps_touch_fixed_buffers_and_copy_only_step_inputs(summari
         np.testing.assert_allclose(np.array(got[i]), np.array([want[n] for n, k in enumerate(steps) if k % 2 == 0]),
                                    rtol=1e-4, atol=1e-4)
     worker.release()
-    assert dec._batch is None
+    assert dec.rows == []
 
 
 def test_fixed_shape_sessions_fix_every_dimension(summarizer):
@@ -450,16 +448,17 @@ def test_fixed_shape_sessions_fix_every_dimension(summarizer):
     worker = fixed_worker(summarizer)
     states = worker.begin([document_ids(worker.model, text_of(30, seed=1))])
     worker.step(states, [worker.info.special_tokens["decoder_start"]])
-    b = worker.decoder._batch
-    session, _ = worker.decoder.fixed.step(b.capacity, b.Se, b.P)
+    dec = worker.decoder
+    Se, P = dec.source_length, dec.past_length
+    session, _ = dec.fixed.step(dec.capacity, Se, P)
     g, d = worker.model.decoder_graph, worker.model.manifest.decoder
     kv = lambda n: np.zeros((1, d["num_heads"], n, d["head_dim"]), worker.model.float_type)  # noqa: E731
     one = np.ones((1, 1), np.int64)
-    feed = {"input_ids": one, "position_ids": one, g.ENCODER_MASK: np.ones((1, b.Se), np.int64),
-            **{n: kv(b.Se) for n in g.cross}}
-    session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, b.P + 1), np.int64), **{n: kv(b.P) for n in g.past}})
+    feed = {"input_ids": one, "position_ids": one, g.ENCODER_MASK: np.ones((1, Se), np.int64),
+            **{n: kv(Se) for n in g.cross}}
+    session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, P + 1), np.int64), **{n: kv(P) for n in g.past}})
     with pytest.raises(Exception, match="past|dimension|shape|Got"):
-        session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, b.P), np.int64), **{n: kv(b.P - 1) for n in g.past}})
+        session.run([g.LOGITS], {**feed, "self_mask": np.ones((1, P), np.int64), **{n: kv(P - 1) for n in g.past}})
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["encode-then-step", "encode-beside-steps"])

@@ -371,3 +371,19 @@ def test_front_ends_exit_when_the_engine_is_killed(tiny_qa_dir, tmp_path):
             sock.bind(("127.0.0.1", s.port))
             sock.listen()
     shutil.rmtree(metrics_dir)  # what a killed engine cannot remove
+
+
+def test_a_front_end_embeds_as_the_one_process_app():
+    """Issue 39: the embed model's windows cross the engine socket and come back as the same vectors."""
+    models = {"embed": "embed"}
+    requests = [("/v1/embeddings", {"input": ["the gold", "good " * 100 + "bad"]}),
+                ("/embed", {"inputs": "good gold", "normalize": False}), ("/v1/embeddings", {"input": []})]
+
+    async def answers(make):
+        async with make(models=models) as client:
+            client = client[0] if isinstance(client, tuple) else client
+            return [((r := await client.post(path, json=body)).status_code, r.json()) for path, body in requests]
+
+    local, remote = asyncio.run(answers(running_app)), asyncio.run(answers(front_end))
+    assert [code for code, _ in local] == [200, 200, 422]
+    assert remote == local

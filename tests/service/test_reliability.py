@@ -521,3 +521,41 @@ def test_the_restart_back_off_doubles_to_its_maximum_and_resets():
     zero = Backoff(0.0, 10.0)  # no pause at first, then from 0.1 s
     assert [zero.delay, zero.failed(), zero.failed()] == [0.0, 0.1, 0.2]
     assert Backoff(5.0, 1.0).delay == 1.0
+
+
+def test_a_cancelled_requests_own_late_error_is_not_left_unretrieved():
+    """The work of a request whose client went away can still end in an error of its own (the
+    engine's Cancelled wins the race with the task's cancellation): serve reads it, so asyncio
+    never logs "Task exception was never retrieved" (seen after a second SIGINT under load)."""
+    import gc
+
+    from longdoc.service.core import Service
+    from longdoc.service.errors import Cancelled
+    from longdoc.service.settings import Settings
+
+    class GoneClient:  # a request whose client has disconnected
+        class state:
+            arrived = None
+
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def work(state, timing):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise Cancelled("client disconnected") from None
+
+    async def main():
+        unretrieved = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        service = Service(Settings(models={"cls": "classify"}, warmup=False), source=None)
+        response = await service.serve(GoneClient(), "classify", work)
+        for _ in range(3):  # the cancelled task runs to its error
+            await asyncio.sleep(0)
+        gc.collect()
+        return response.status_code, unretrieved
+
+    status, unretrieved = asyncio.run(main())
+    assert status == 499
+    assert unretrieved == []

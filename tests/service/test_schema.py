@@ -95,6 +95,11 @@ def test_schema_states_the_choices_and_limits(fake_server):
     text, texts = sorted(embeddings["input"]["anyOf"], key=lambda o: o["type"] == "array")
     assert text["maxLength"] == 20_000 and texts["maxItems"] == 4 and texts["items"]["maxLength"] == 20_000
     assert [o for o in embeddings["dimensions"]["anyOf"] if o["type"] == "integer"][0]["enum"] == [11]
+    # `model` names the loaded models of the operation's task (another task's model would be refused)
+    for name, served in (("QARequest", ["qa"]), ("SummarizeRequest", ["sum"]), ("ClassifyRequest", ["cls"]),
+                         ("EmbeddingsRequest", ["emb"]), ("EmbedRequest", ["emb"])):
+        model = schema["components"]["schemas"][name]["properties"]["model"]
+        assert [o for o in model["anyOf"] if o["type"] == "string"][0].get("enum") == served, name
 
 
 def test_the_routers_give_the_same_operations():

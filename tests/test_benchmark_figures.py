@@ -43,10 +43,13 @@ def test_the_real_size_tables_are_its_results_file():
 def test_the_host_path_table_is_its_results_file():
     bench = load_bench("host_path")
     assert bench.markdown_table(results("host_path.json")["summary"]) in PAGE
-    fe = {(r["mode"], r["cores"]): r for r in results("host_path.json")["summary"]}["front-ends", 2]
+    rows = {(r["mode"], r["cores"]): r for r in results("host_path.json")["summary"]}
+    one, fe = rows["one-process", 2], rows["front-ends", 2]
     flat = " ".join(PAGE.split())
-    assert (f"average {fe['load_average']:.1f}) left the server about {fe['server_cores_busy']:.2f} of a core "
-            f"whatever it was given, so the front ends' {fe['vs_1_core']:.2f}x") in flat
+    assert (f"On two quiet cores the front ends reach {fe['vs_1_core']:.2f}x one core "
+            f"and one process {one['vs_1_core']:.2f}x") in flat
+    assert f"about {one['loop_cpu_ms_per_doc']:.0f} ms of CPU per document" in flat
+    assert f"spends about {fe['loop_cpu_ms_per_doc']:.1f} ms per document" in flat
 
 
 def test_the_decode_rows_are_their_results_files():

@@ -34,12 +34,12 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from longdoc.export.manifest import PER_TOKEN_OUTPUTS
-from longdoc.model.search import SearchSettings, is_finished, step_constraints
+from longdoc.model.search import GenerationStopped, SearchSettings, is_finished, step_constraints
 from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
 from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from longdoc.service.metrics import Metrics
 from longdoc.service.restarts import Backoff, restart_until_up
-from longdoc.service.workers import EncoderBatch, GenerationStopped, Worker
+from longdoc.service.workers import EncoderBatch, Worker
 
 log = logging.getLogger("longdoc.service")
 

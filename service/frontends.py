@@ -7,10 +7,10 @@
                                  each on its own listening socket of the port (SO_REUSEPORT: the
                                  kernel spreads the connections over them)
 
-One process parses, validates, tokenizes and shapes every answer in front of the device otherwise
-(about 3 ms of its event loop per 4096-token QA document: one process tops out near 300 docs/s,
-docs/benchmarks.md "The host path"). Every submission still reaches the one batcher of its model, so
-batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
+One process parses, validates, tokenizes and shapes every answer in front of the device otherwise,
+on one event loop and its threads (what that costs per document and how each design scales with
+cores: docs/benchmarks.md, "The host path (null engine)"). Every submission still reaches the one
+batcher of its model, so batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
 backend, are split the same way.
 
 The engine opens the N listening sockets before it starts any front end and hands front end i

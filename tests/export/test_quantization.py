@@ -62,11 +62,10 @@ def test_gelu_bound_keeps_every_gelu_value_in_range():
     x = np.linspace(-6, 1, 4096, dtype=np.float32)
     rows = {"erf": x * 0.5 * (1 + np.vectorize(math.erf)(x / np.sqrt(2))),
             "tanh": 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))}
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(g.nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4096])],
-                               [onnx.helper.make_tensor_value_info(data, onnx.TensorProto.UINT8, None),
-                                onnx.helper.make_tensor_value_info(scale, onnx.TensorProto.FLOAT, None)], g.initializers),
-        opset_imports=[onnx.helper.make_opsetid("", 20)])
+    make, types = onnx.helper.make_tensor_value_info, onnx.TensorProto
+    graph = onnx.helper.make_graph(g.nodes, "g", [make("x", types.FLOAT, [2, 4096])],
+                                   [make(data, types.UINT8, None), make(scale, types.FLOAT, None)], g.initializers)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     values = np.stack(list(rows.values())).astype(np.float32)
     assert values.min() >= GELU_MIN

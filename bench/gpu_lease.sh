@@ -4,18 +4,25 @@
 # the baseline in the same run (the same tree with the new paths switched off: bench/gpu.py
 # `decode_switch`), a failed phase logged and passed.
 #
-# The GPU machine reaches no package index and takes at most 64 MiB a call (the working tree
-# included), so onnxruntime-gpu (a 255 MB wheel) travels in parts and the service's pure-Python
-# dependencies as wheels:
+# The GPU machine reaches no package index and takes at most 64 MiB a call: the working tree
+# (tracked files on disk and untracked files git does not ignore) plus the call's carried paths.
+# So onnxruntime-gpu (a 255 MB wheel) travels in parts, the service's pure-Python dependencies as
+# wheels, and the shipped models' ONNX graphs (179 MB tracked under models/; the lease exports its
+# own) wait outside the checkout while the calls are made. The steps (docs/gpu.md, "The next lease"):
 #
 #   bash bench/gpu_lease.sh prepare   # here, once (needs PyPI): .ortgpu/partN and .whl/ (both in
 #                                     # .gitignore); prints the calls to make
+#   bash bench/gpu_lease.sh aside     # here: models/*/*.onnx (tracked) to the sibling folder
+#                                     # ../<checkout>.models-aside (refused if it exists), then `size`
+#   bash bench/gpu_lease.sh size      # here: what each call sends; exit 1 if one is over 64 MiB
 #   bash bench/gpu_lease.sh part N    # there, one call per part, carrying .ortgpu/partN; the call
 #                                     # of part 0 also carries .whl: it installs longdoc and the
 #                                     # wheels and starts the exports in the background while the
 #                                     # other parts travel
 #   bash bench/gpu_lease.sh main      # there, right after the last part: the measurements
-#   bash bench/gpu_lease.sh dry-run   # here: main's sequence on tiny models on the CPU
+#   bash bench/gpu_lease.sh back      # here, after the last call: the graphs back (refused if that
+#                                     # would overwrite a file); exit 1 unless `git status` is clean
+#   bash bench/gpu_lease.sh dry-run   # here: `size`, then main's sequence on tiny models on the CPU
 #                                     # (tests/test_bench_gpu.py); OUT=/tmp/gpu-dry and
 #                                     # WORK=/tmp/gpu (the exports) unless set
 #
@@ -33,7 +40,50 @@ LIMIT_SCALE=1  # dry-run: the phases' time limits times 10 (a shared 2-core CPU,
 WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
 pydantic-settings==2.16.3 python-dotenv==1.2.4 fastapi-offline==1.7.7 annotated-types==0.8.0
 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api importlib-metadata"
+LIMIT_MIB=64  # what one device call may send (the working tree and its carried paths)
 log() { echo "[$(date +%H:%M:%S)] $*"; }
+top() { git rev-parse --show-toplevel; }
+aside_dir() { local t; t=$(top) && echo "$(dirname "$t")/$(basename "$t").models-aside"; }
+
+# size: what each lease call sends once the graphs are aside (the tracked files on disk, less
+# models/*/*.onnx, the untracked files git does not ignore, shared/ if the checkout has one, and
+# the call's carried paths); exit 1 if a call is over LIMIT_MIB
+size() {
+  python3 - "$(top)" "$LIMIT_MIB" <<'PY'
+import os, subprocess, sys
+top, limit_mib = sys.argv[1], int(sys.argv[2])
+def ls(*args):
+    out = subprocess.run(["git", "-C", top, "ls-files", "-z", *args], capture_output=True, text=True, check=True)
+    return [f for f in out.stdout.split("\0") if f]
+def files_under(rel):  # every file (a link as a link) under the path `rel`
+    path = os.path.join(top, rel)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return [rel] if os.path.lexists(path) else []
+    return [os.path.relpath(os.path.join(d, f), top) for d, ds, fs in os.walk(path) for f in fs + [x for x in ds if os.path.islink(os.path.join(d, x))]]
+def mib(files):
+    return sum(os.lstat(os.path.join(top, f)).st_size for f in files if os.path.lexists(os.path.join(top, f))) / 2**20
+aside = set(ls("models/*.onnx"))
+tree = set(ls()) | set(ls("--others", "--exclude-standard")) | set(files_under("shared"))
+here = [f for f in aside if os.path.lexists(os.path.join(top, f))]
+state = f"{mib(here):.1f} MiB of models/*/*.onnx still here: run `aside` before the calls" if here else "the graphs are aside"
+lease_tree = mib(tree - aside)
+print(f"the working tree sends {lease_tree:.1f} MiB once the graphs are aside ({state})")
+parts = sorted((p for p in os.listdir(os.path.join(top, ".ortgpu")) if p.startswith("part")), key=lambda p: int(p[4:])) \
+    if os.path.isdir(os.path.join(top, ".ortgpu")) else []
+calls = [(f"part {p[4:]}", [f".ortgpu/{p}"] + ([".whl"] if p == "part0" else [])) for p in parts] + [("main", [])]
+if not parts:
+    print("  (no .ortgpu/partN here: `prepare` makes them; only the tree is checked)")
+over = []
+for name, carry in calls:
+    total = lease_tree + mib([f for c in carry for f in files_under(c)])
+    print(f"  call `{name}`{' carrying ' + ', '.join(carry) if carry else ''}: {total:.1f} MiB of {limit_mib}")
+    if total > limit_mib:
+        over.append(name)
+if over:
+    sys.exit(f"over the device tool's {limit_mib} MiB a call: {', '.join(over)} (leave files out of the tree or carry less)")
+print(f"every lease call fits in {limit_mib} MiB")
+PY
+}
 
 # run NAME SECONDS CMD...: one phase under a time limit; its output goes to the lease log, a
 # failure is logged and the lease goes on
@@ -94,10 +144,38 @@ prepare)
   for chunk in .ortgpu/dl/chunk.*; do  # each part names the wheel (only the carried folder travels)
     mkdir -p .ortgpu/part$n && mv "$chunk" .ortgpu/part$n/ && cp .ortgpu/wheel-name .ortgpu/part$n/ && n=$((n + 1))
   done
-  echo "prepared $n parts of at most $PART_MIB MiB in .ortgpu/ and $(ls .whl | wc -l) wheels in .whl/. The calls, back to back:"
+  echo "prepared $n parts of at most $PART_MIB MiB in .ortgpu/ and $(ls .whl | wc -l) wheels in .whl/."
+  echo "Here: bash bench/gpu_lease.sh aside. Then the calls, back to back:"
   echo "  carry [.ortgpu/part0, .whl]: bash bench/gpu_lease.sh part 0"
   for i in $(seq 1 $((n - 1))); do echo "  carry [.ortgpu/part$i]: bash bench/gpu_lease.sh part $i"; done
   echo "  bash bench/gpu_lease.sh main      (timeout_s 600)"
+  echo "Here, after the last call: bash bench/gpu_lease.sh back"
+  ;;
+aside)
+  top=$(top) && cd "$top" && dest=$(aside_dir) || exit 1
+  [ ! -e "$dest" ] || { echo "refused: $dest exists (graphs from an earlier aside? bash bench/gpu_lease.sh back)" >&2; exit 1; }
+  graphs=$(git ls-files 'models/*.onnx')
+  [ -n "$graphs" ] || { echo "refused: no tracked models/*/*.onnx here" >&2; exit 1; }
+  [ -z "$(git status --porcelain -- $graphs)" ] || { echo "refused: models/ has changes (git status -- models): commit or restore them first" >&2; exit 1; }
+  for f in $graphs; do mkdir -p "$dest/$(dirname "$f")" && mv "$f" "$dest/$f" || exit 1; done
+  echo "moved $(echo "$graphs" | wc -l) graphs ($(du -sh "$dest" | cut -f1)) to $dest; bash bench/gpu_lease.sh back restores them"
+  size
+  ;;
+back)
+  top=$(top) && cd "$top" && src=$(aside_dir) || exit 1
+  [ -d "$src" ] || { echo "nothing to bring back: $src does not exist" >&2; exit 1; }
+  moved=$(cd "$src" && find . -type f | sed 's|^\./||' | sort)
+  clash=$(for f in $moved; do [ ! -e "$f" ] || echo "$f"; done)
+  [ -z "$clash" ] || { echo "refused: these are in the checkout already (left as they are, and $src too):" $clash >&2; exit 1; }
+  for f in $moved; do mkdir -p "$(dirname "$f")" && mv "$src/$f" "$f" || exit 1; done
+  find "$src" -depth -type d -empty -delete
+  [ ! -e "$src" ] || { echo "$src still holds files that were not moved back" >&2; exit 1; }
+  left=$(git status --porcelain -- models)
+  [ -z "$left" ] || { echo "models/ differs from git after back:"; echo "$left"; exit 1; } >&2
+  echo "$(echo "$moved" | wc -l) graphs back in models/; git status -- models is clean"
+  ;;
+size)
+  size
   ;;
 part)
   mkdir -p /tmp/ortgpu "$WORK" && cp .ortgpu/part"$2"/chunk.* /tmp/ortgpu/ && ls -la /tmp/ortgpu
@@ -133,12 +211,13 @@ dry-run)
   OUT=${OUT:-/tmp/gpu-dry} LIMIT_SCALE=10
   mkdir -p "$OUT"
   exec > >(tee -a "$OUT/lease.log") 2>&1
+  size || { log "the lease calls do not fit: FAILED"; exit 1; }
   run "exports (tiny)" 90 python3 bench/gpu.py --work "$WORK" --tiny --device cpu --phases make
   measure cpu "--tiny --requests 16" "--cores 1 --duration 1 --warmup 0.5"
   log "lease done"
   ;;
 *)
-  echo "usage: $0 prepare | part N | main | dry-run" >&2
+  echo "usage: $0 prepare | aside | size | part N | main | back | dry-run" >&2
   exit 2
   ;;
 esac

@@ -201,10 +201,10 @@ def run_system(system: str, path: Path, records: list[dict], levels: list[int], 
 
 # --- report -----------------------------------------------------------------------------------------
 
-def report(results: dict, records: list[dict], command: str, started: str) -> str:
+def report(results: dict, records: list[dict], command: str) -> str:
     systems = list(results)
     by_id = {r["id"]: r for r in records}
-    lines = [f"`{command}` ({started} UTC)", "",
+    lines = [f"`{command}`", "",
              "| system | concurrency | answered / sent | wall s | throughput req/s | p50 s | p99 s | peak RSS GiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in systems:
@@ -305,8 +305,8 @@ def main() -> int:
     log(f"{len(records)} (question, page) records of {args.min_tokens}-{args.max_tokens} tokens")
     results = {s: run_system(s, paths[s], records, levels, args.requests, args.max_seconds, args.client_timeout,
                              args.threads) for s in systems}
-    command = "python bench/head_to_head.py " + " ".join(sys.argv[1:])
-    text = report(results, records, command, started)
+    command = ".venv/bin/python bench/head_to_head.py " + " ".join(sys.argv[1:])
+    text = report(results, records, command)
     print(text)
     args.docs.mkdir(parents=True, exist_ok=True)
     (args.docs / "head_to_head.json").write_text(json.dumps(

@@ -20,7 +20,7 @@ MIN_OPSET = 17  # export/graph.py writes opset 20 (Gelu)
 ALLOWED_OPS = frozenset("""
 Add Sub Mul Div Neg Sqrt Pow Erf Tanh Sigmoid Relu Gelu Exp Log Abs Max Min Sin Cos Equal Less LessOrEqual Greater
 GreaterOrEqual And Or Not Where Cast Identity
-Shape Reshape Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
+Shape Reshape Flatten Transpose Unsqueeze Squeeze Concat Split Slice Expand Range Gather GatherND GatherElements
 MatMul Gemm Softmax LogSoftmax ArgMax ReduceMean ReduceSum ReduceMax ReduceMin LayerNormalization TopK CumSum
 DynamicQuantizeLinear MatMulInteger QuantizeLinear DequantizeLinear
 """.split())

@@ -34,11 +34,12 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from longdoc.export.manifest import PER_TOKEN_OUTPUTS
-from longdoc.model.search import SearchSettings, is_finished, step_constraints
+from longdoc.model.search import GenerationStopped, SearchSettings, is_finished, step_constraints
 from longdoc.service.batching import BatchingPolicy, DrainRate, Entry, QueueBudget
 from longdoc.service.errors import Cancelled, DeadlineExceeded, Overloaded, TooLarge, Unavailable
 from longdoc.service.metrics import Metrics
-from longdoc.service.workers import EncoderBatch, GenerationStopped, Worker
+from longdoc.service.restarts import Backoff, restart_until_up
+from longdoc.service.workers import EncoderBatch, Worker
 
 log = logging.getLogger("longdoc.service")
 
@@ -63,27 +64,9 @@ class RequestState:
         return self.deadline - time.monotonic()
 
 
-class Backoff:
-    """The one restart back-off, of a failed worker (WorkerSlot) and of a front end that exited
-    (service/frontends.py): `delay` starts at `first_s` (at most `max_s`) and doubles, from at
-    least 0.1 s, up to `max_s` with each attempt that fails again; `reset` after a success."""
-
-    def __init__(self, first_s: float, max_s: float):
-        self.first_s, self.max_s = first_s, max_s
-        self.delay = min(first_s, max_s)
-
-    def failed(self) -> float:
-        """One more failed attempt: the delay before the next one."""
-        self.delay = min(max(self.delay * 2, 0.1), self.max_s)
-        return self.delay
-
-    def reset(self) -> None:
-        self.delay = min(self.first_s, self.max_s)
-
-
 class WorkerSlot:
     """One worker and the single thread that runs it; replaced on failure. Restart attempts
-    back off (`Backoff`) from `backoff_s`, doubling up to `max_backoff_s`."""
+    back off (service/restarts.py `Backoff`) from `backoff_s`, doubling up to `max_backoff_s`."""
 
     def __init__(self, factory: Callable[[], Worker], worker: Worker, index: int, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0):
@@ -113,27 +96,26 @@ class WorkerSlot:
     def mark_down(self) -> None:
         """Not healthy; the first restart attempt is due after `backoff_s`."""
         self.healthy = False
-        self.backoff.reset()
         self.next_attempt = time.monotonic() + self.backoff.delay
 
     async def restart(self, metrics: Metrics, model: str) -> None:
+        """Replace the worker from its factory (service/restarts.py: its back-off, until one is made)."""
         if self.healthy:
             self.mark_down()
         metrics.refresh_ready()
         old = self.worker
-        while True:
-            await asyncio.sleep(max(0.0, self.next_attempt - time.monotonic()))
+
+        async def replace() -> Worker:
             try:
                 await self.call(old.close)
             except Exception:  # noqa: BLE001 - a broken worker may fail to close too
                 pass
-            try:
-                self.worker = await self.call(self.factory)
-                break
-            except Exception:
-                delay = self.backoff.failed()
-                log.exception("restarting worker %d of %s failed; retrying in %.1f s", self.index, model, delay)
-                self.next_attempt = time.monotonic() + delay
+            return await self.call(self.factory)
+
+        def waiting(delay: float) -> None:
+            self.next_attempt = time.monotonic() + delay
+
+        self.worker = await restart_until_up(replace, self.backoff, f"worker {self.index} of {model}", waiting=waiting)
         metrics.worker_restarts.labels(model).inc()
         self.healthy = True
         metrics.refresh_ready()

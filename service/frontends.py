@@ -7,10 +7,10 @@
                                  each on its own listening socket of the port (SO_REUSEPORT: the
                                  kernel spreads the connections over them)
 
-One process parses, validates, tokenizes and shapes every answer in front of the device otherwise
-(about 3 ms of its event loop per 4096-token QA document: one process tops out near 300 docs/s,
-docs/benchmarks.md "The host path"). Every submission still reaches the one batcher of its model, so
-batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
+One process parses, validates, tokenizes and shapes every answer in front of the device otherwise,
+on one event loop and its threads (what that costs per document and how each design scales with
+cores: docs/benchmarks.md, "The host path (null engine)"). Every submission still reaches the one
+batcher of its model, so batches form across all front ends. vLLM's API servers and engine core, and TEI's router and
 backend, are split the same way.
 
 The engine opens the N listening sockets before it starts any front end and hands front end i
@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
 import signal
 import struct
 import tempfile
@@ -43,9 +44,10 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from longdoc.service import errors
-from longdoc.service.batcher import Backoff, RequestState
+from longdoc.service.batcher import RequestState
 from longdoc.service.engine import ServedModel
 from longdoc.service.errors import ServiceError, Unavailable
+from longdoc.service.restarts import Backoff, NotUp, restart_until_up
 
 log = logging.getLogger("longdoc.service")
 _FRAME = struct.Struct("!I")
@@ -353,13 +355,83 @@ def front_end_main(settings, engine_path: str, index: int, sock, parent_pid: int
     raise SystemExit(run_http(settings, models=models, sockets=[sock], on_serving=models.serving))
 
 
+UP_S = 60.0  # a started-again front end that has run this long is up: its next exit waits the first back-off
+
+
+class FrontEnds:
+    """The front-end processes, front end i on listening socket i (opened here, before any of them
+    starts). One that exits while the engine runs is started again on its socket, with the workers'
+    restart back-off (service/restarts.py: it doubles while a front end keeps exiting within `UP_S`)."""
+
+    def __init__(self, settings, engine_path: str, stop: asyncio.Event):
+        import multiprocessing
+
+        self.settings, self.engine_path, self.stop = settings, engine_path, stop
+        self.front = settings.model_copy(update={"front_ends": 1})  # what each front end runs
+        self.context = multiprocessing.get_context("spawn")
+        self.sockets = listening_sockets(settings.host, settings.port, settings.front_ends)
+        self.processes = [self._spawn(i) for i in range(settings.front_ends)]
+        self.keepers = [asyncio.create_task(self._keep(i)) for i in range(settings.front_ends)]
+
+    def _spawn(self, i: int):
+        p = self.context.Process(target=front_end_main, name=f"longdoc-front-end-{i}", daemon=False,
+                                 args=(self.front, self.engine_path, i, self.sockets[i], os.getpid()))
+        p.start()
+        return p
+
+    def _gone(self, i: int) -> str:
+        """Front end i has exited: its live metrics go (prometheus multiprocess mode); what to log."""
+        from prometheus_client import multiprocess
+
+        p = self.processes[i]
+        multiprocess.mark_process_dead(p.pid)
+        return f"front end {i} (pid {p.pid}) exited with {p.exitcode}"
+
+    async def _start(self, i: int):
+        """Front end i again; up once it has run `UP_S` (or the engine is stopping)."""
+        p = self.processes[i] = self._spawn(i)
+        await asyncio.to_thread(p.join, UP_S)
+        if p.exitcode is not None and not self.stop.is_set():
+            raise NotUp(self._gone(i))
+        return p
+
+    async def _keep(self, i: int) -> None:
+        backoff = Backoff(self.settings.worker_restart_backoff_s, self.settings.worker_restart_max_backoff_s)
+        while True:
+            await asyncio.to_thread(self.processes[i].join)
+            if self.stop.is_set():
+                return
+            log.error("%s; starting it again in %.1f s", self._gone(i), backoff.delay)
+            if await restart_until_up(lambda: self._start(i), backoff, f"front end {i}", self.stop) is None:
+                return  # shutting down meanwhile
+
+    def forward(self, sig: int) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                os.kill(p.pid, sig)
+
+    async def drain(self, deadline: float) -> None:
+        """SIGTERM to every front end; they drain their requests (the engine serves them meanwhile)
+        and exit, waited for until `deadline` (monotonic clock)."""
+        self.forward(signal.SIGTERM)
+        for sock in self.sockets:  # new connections are refused now, not queued for front ends that drain
+            sock.close()
+        for p in self.processes:
+            await asyncio.to_thread(p.join, max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for t in self.keepers:
+            t.cancel()
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for sock in self.sockets:
+            sock.close()
+
+
 async def run_engine(settings, worker_factory) -> int:
     """The engine process: load the models, serve the front ends, keep them running; on SIGTERM
     or SIGINT, forward it, let the front ends drain, then stop."""
-    import multiprocessing
-
-    from prometheus_client import multiprocess
-
     from longdoc.service.core import Service
     from longdoc.service.engine import LocalModels
     from longdoc.service.server import SHUTDOWN_MARGIN_S
@@ -369,57 +441,19 @@ async def run_engine(settings, worker_factory) -> int:
     server = EngineServer(service, settings.front_ends)
     workdir = Path(tempfile.mkdtemp(prefix="longdoc-engine-"))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    front_ends: FrontEnds | None = None
     signals = 0
 
-    def on_signal() -> None:  # the first: drain (forwarded below, once the front ends exist); again: now
+    def on_signal() -> None:  # the first: drain (forwarded once stopping); again: now
         nonlocal signals
         signals += 1
         service.begin_drain(grace_s=0 if signals > 1 else None)
-        if signals > 1:
-            forward(signal.SIGINT)  # a front end's second signal: what runs is answered 503 at once
+        if signals > 1 and front_ends is not None:
+            front_ends.forward(signal.SIGINT)  # a front end's second signal: what runs is answered 503 at once
         stop.set()
 
-    def forward(sig) -> None:
-        for p in processes:
-            if p.is_alive():
-                os.kill(p.pid, sig)
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    ctx = multiprocessing.get_context("spawn")
-    processes: list = []
-    front = settings.model_copy(update={"front_ends": 1})
-    sockets: list = []
-
-    def spawn(i: int):
-        p = ctx.Process(target=front_end_main, args=(front, str(workdir / "engine.sock"), i, sockets[i], os.getpid()),
-                        name=f"longdoc-front-end-{i}", daemon=False)
-        p.start()
-        return p
-
-    async def keep(i: int) -> None:
-        """A front end that exits while the engine runs is started again, after the workers'
-        restart back-off (doubling up to its maximum while it keeps exiting within a minute)."""
-        backoff = Backoff(settings.worker_restart_backoff_s, settings.worker_restart_max_backoff_s)
-        while True:
-            started = time.monotonic()
-            await asyncio.to_thread(processes[i].join)
-            if stop.is_set():
-                return
-            multiprocess.mark_process_dead(processes[i].pid)
-            if time.monotonic() - started > 60:
-                backoff.reset()
-            log.error("front end %d (pid %d) exited with %s; starting it again in %.1f s", i, processes[i].pid,
-                      processes[i].exitcode, backoff.delay)
-            try:
-                await asyncio.wait_for(stop.wait(), backoff.delay)
-                return  # shutting down meanwhile
-            except TimeoutError:
-                pass
-            backoff.failed()  # the next exit within a minute waits longer
-            processes[i] = spawn(i)
-
+        asyncio.get_running_loop().add_signal_handler(sig, on_signal)
     try:
         try:
             await service.start()
@@ -427,32 +461,19 @@ async def run_engine(settings, worker_factory) -> int:
             log.exception("engine: the models did not start")
             return 1
         await server.start(workdir / "engine.sock")
-        sockets.extend(listening_sockets(settings.host, settings.port, settings.front_ends))
-        processes.extend(spawn(i) for i in range(settings.front_ends))
-        keepers = [asyncio.create_task(keep(i)) for i in range(settings.front_ends)]
-        log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host, sockets[0].getsockname()[1])
+        front_ends = FrontEnds(settings, str(workdir / "engine.sock"), stop)
+        log.info("engine: %d front ends on %s:%d", settings.front_ends, settings.host,
+                 front_ends.sockets[0].getsockname()[1])
         await stop.wait()
-        forward(signal.SIGTERM)
-        for sock in sockets:  # new connections are refused now, not queued for front ends that drain
-            sock.close()
         log.info("engine: waiting for the front ends to drain")
-        deadline = time.monotonic() + settings.shutdown_grace_s + SHUTDOWN_MARGIN_S  # as a front end's uvicorn
-        for p in processes:  # the front ends drain (their grace), then exit; the engine serves them meanwhile
-            await asyncio.to_thread(p.join, max(0.0, deadline - time.monotonic()))
-        for t in keepers:
-            t.cancel()
+        await front_ends.drain(time.monotonic() + settings.shutdown_grace_s + SHUTDOWN_MARGIN_S)  # as their uvicorn
         return 0
     finally:
-        for p in processes:
-            if p.is_alive():
-                p.kill()
-        for sock in sockets:
-            sock.close()
+        if front_ends is not None:
+            front_ends.close()
         server.close()
         await service.stop()
-        for path in workdir.iterdir():
-            path.unlink()
-        workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def serve_front_ends(settings, worker_factory=None) -> int:

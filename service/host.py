@@ -6,11 +6,10 @@ tokenizers' `encode_batch` releases the GIL, the rest holds it):
         -> Service.host_work(fn, info, ...) -> prepare_qa / prepare_classify / prepare_summarize / prepare_embed
                                                 / qa_spans
 
-Per 4096-token QA document the tokenizer takes about 12-20 ms of CPU and answer shaping 1-2 ms,
-against about 3 ms for the rest of the request in the event loop (docs/service.md, "Front ends";
-docs/benchmarks.md, "The host path"). More cores are used by more processes: `longdoc serve
---front-ends N` (service/frontends.py) runs N processes that each do this work for their own
-connections, in front of one engine process.
+This is most of a request's CPU in front of the device (what a document costs, and how it scales
+with cores: docs/benchmarks.md, "The host path (null engine)", from docs/host_path.json). More
+cores are used by more processes: `longdoc serve --front-ends N` (service/frontends.py) runs N
+processes that each do this work for their own connections, in front of one engine process.
 """
 
 from __future__ import annotations

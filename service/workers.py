@@ -26,12 +26,10 @@ from typing import Any, Callable, Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-from longdoc.export.generation import GenerationStopped, generated_tokens, search_defaults  # numpy only, no torch
+from longdoc.export.generation import generated_tokens, search_defaults  # numpy only, no torch
 from longdoc.model.search import SearchSettings, StepConstraints, constrained_argmax
 from longdoc.export.runtime import parse_device
 from longdoc.service.batching import bucket_length, budget_groups
-
-__all__ = ["GenerationStopped"]  # re-exported for the batcher
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from longdoc.service.app import create_app
 from longdoc.service.connections import limited_protocol
 from longdoc.service.settings import Settings
 from longdoc.testing.fake_worker import FakeWorker
+from tests.polling import until
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +145,8 @@ class ThreadServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        until(lambda: self.server.started or not self.thread.is_alive(), "the server started", 60)
+        assert self.server.started, "the server thread ended before it started"
         return self
 
     def __exit__(self, *exc):
@@ -173,15 +171,15 @@ class ServeProcess:
     def __enter__(self):
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.cwd)
-        deadline = time.monotonic() + self.ready_s
-        while True:
-            try:
-                if httpx.get(self.url + "/readyz").status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.log_path.read_text()
-            time.sleep(0.1)
+
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.log_path.read_text()  # it exited: fail at once, saying why
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(self.url + "/readyz").status_code == 200
+            return False
+
+        until(ready, f"/readyz said ready ({self.log_path})", self.ready_s, every_s=0.1)
+        return self
 
     def __exit__(self, *exc):
         if self.proc.poll() is None:

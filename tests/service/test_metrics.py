@@ -66,6 +66,9 @@ def test_ready_gauge_follows_readyz_through_warmup_failure_and_drain():
 
     app = create_app(Settings(models={"qa": "qa"}, worker_restart_backoff_s=0.3), worker_factory=factory)
 
+    async def ready_now(c) -> bool:
+        return (await c.get("/readyz")).status_code == 200
+
     async def go():
         seen = []
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -85,10 +88,7 @@ def test_ready_gauge_follows_readyz_through_warmup_failure_and_drain():
             failed = await c.post("/v1/qa", json={"question": "q", "document": "gold"})
             assert failed.status_code == 503, failed.text
             await look("worker restarting")
-            for _ in range(200):
-                if (await c.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: ready_now(c), "the restarted worker made the app ready", timeout_s=10)
             await look("restarted")
             app.state.service.begin_drain()  # what SIGTERM does first
             await look("draining")

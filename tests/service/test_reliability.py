@@ -510,19 +510,6 @@ def test_a_second_sigint_answers_every_request_503_at_once_then_exits_0(tiny_qa_
     assert exited < 15, exited  # not the 60 s grace
 
 
-def test_the_restart_back_off_doubles_to_its_maximum_and_resets():
-    """One back-off for a failed worker and an exited front end (service/batcher.py Backoff)."""
-    from longdoc.service.batcher import Backoff
-
-    b = Backoff(0.5, 3.0)
-    assert [b.delay] + [b.failed() for _ in range(4)] == [0.5, 1.0, 2.0, 3.0, 3.0]
-    b.reset()
-    assert b.delay == 0.5
-    zero = Backoff(0.0, 10.0)  # no pause at first, then from 0.1 s
-    assert [zero.delay, zero.failed(), zero.failed()] == [0.0, 0.1, 0.2]
-    assert Backoff(5.0, 1.0).delay == 1.0
-
-
 def test_a_cancelled_requests_own_late_error_is_not_left_unretrieved():
     """The work of a request whose client went away can still end in an error of its own (the
     engine's Cancelled wins the race with the task's cancellation): serve reads it, so asyncio

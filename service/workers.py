@@ -284,7 +284,7 @@ class _Batch:
     states: list[DecodeState]
     ids: frozenset[int]
     cross: list[Any]  # slot buffers, OrtValues (capacity, H, Se, D), right-padded; rows >= B unused
-    # dynamic steps: OrtValues (B, H, P, D), left-padded, the self mask hides the padding;
+    # dynamic steps: OrtValues (B, H, P, D), left-padded (P a multiple of KEY_ALIGNMENT), masked;
     # fixed-shape steps: the cache, OrtValues (capacity, H, P, D), a row's position t at index t
     past: list[Any]
     encoder_mask: Any  # OrtValue (B or capacity, Se) int64
@@ -297,12 +297,10 @@ class _Batch:
 
 
 DECODER_STEPS = ("dynamic", "fixed", "captured")
-# how a device runs decoder steps unless the settings say (`decoder_steps`). Fixed-shape steps on
-# the CPU too: there a sequence's logits are bitwise those it has decoding alone, whatever joins or
-# leaves the batch (`DeviceDecoder.KEY_ALIGNMENT`, issue 40); dynamic steps are not, and their
-# speed is no reason to serve answers that depend on the load (docs/benchmarks.md, "Fixed-shape
-# decoder steps")
-DEFAULT_DECODER_STEPS = {"cpu": "fixed", "cuda": "captured"}
+# how a device runs decoder steps unless the settings say (`decoder_steps`); on the CPU both ways
+# keep a sequence's logits bitwise those it has decoding alone (`DeviceDecoder.KEY_ALIGNMENT`), and
+# the choice is their measurement (docs/benchmarks.md, "Fixed-shape decoder steps")
+DEFAULT_DECODER_STEPS = {"cpu": "dynamic", "cuda": "captured"}
 
 
 class _FixedShapes:
@@ -426,8 +424,9 @@ class DeviceDecoder:
     The same code runs on the CPU provider (the CPU worker) and CUDA.
 
     `steps` (DECODER_STEPS), how a step runs:
-    - "dynamic": the batch's live rows at their own lengths; the KV cache (`present_*`) is bound
-      as the next step's `past_*` (it grows by one position a step); logits come to the host.
+    - "dynamic": the batch's live rows at their own lengths (rounded up to KEY_ALIGNMENT); the KV
+      cache (`present_*`) becomes the next step's `past_*`, left-padded to KEY_ALIGNMENT positions
+      again (one device copy of the small cache a step); logits come to the host.
     - "fixed": every tensor a step touches is fixed in shape and address (`_FixedShapes`): the
       batch at its capacity (unused rows masked), the cross state padded to a power-of-two
       number of blocks, the self-attention cache preallocated (a power of two of positions, grown
@@ -439,15 +438,17 @@ class DeviceDecoder:
       replays them (CUDA only). While a shape is captured, nothing else may run on the GPU, so
       its first runs and the encoder exclude each other (`_exclusive`)."""
 
-    # Fixed-shape steps keep each sequence's keys where they are when it decodes alone (its cross
-    # state from position 0, its cache position t at index t, the padding after them, masked) and
-    # every key axis a step reduces over a multiple of KEY_ALIGNMENT positions (the cross state's
-    # length, the cache's, whose new key sits at its end). ONNX Runtime's CPU kernels (MLAS) then add
-    # a key's terms in the same order whatever the axis length: Softmax sums in 16 lanes (AVX-512;
-    # 8 with AVX2), the one-row P.V product takes the keys in groups of 4, and Q.K^T works in column
-    # blocks of 16, so the padding adds exact zeros and a row's logits do not depend on its batch
-    # (tests/service/test_batch_invariance.py). Dynamic steps left-pad the cache to the longest row
-    # and crop the cross state to the longest sequence: a row's keys move between lanes and groups.
+    # A sequence's logits do not depend on its batch (issue 40; tests/service/test_batch_invariance.py)
+    # because every key axis a step reduces over has a length that is a multiple of KEY_ALIGNMENT
+    # (the cross state's; the cache's, whose new key sits at its end) and each sequence's keys sit at
+    # the same places modulo KEY_ALIGNMENT as when it decodes alone: its cross state from position 0,
+    # padded after; its cache at t = index t (fixed-shape steps) or right-aligned against the new
+    # key (dynamic steps: the past left-padded to a multiple of KEY_ALIGNMENT again after every
+    # step). ONNX Runtime's CPU kernels (MLAS) then add a key's terms in the same order whatever the
+    # axis length: Softmax sums in 16 lanes (AVX-512; 8 with AVX2), the one-row P.V product takes the
+    # keys in groups of 4 and Q.K^T works in column blocks of 16, so the masked padding adds exact
+    # zeros. Cropped to the longest sequence and left-padded to the longest row, as dynamic steps
+    # were, a row's keys moved between lanes and groups, and its logits in their last bits.
     KEY_ALIGNMENT = 16
     MIN_CACHE = KEY_ALIGNMENT  # positions of the smallest fixed-shape cache (a power of two)
     CAPTURE_RUNS = 2  # ONNX Runtime runs a graph once, then captures it on the next run
@@ -537,12 +538,12 @@ class DeviceDecoder:
                                                              self.device_id)
 
     def _source_length(self, n: int) -> int:
-        """The slot buffers' encoder length for a longest sequence of n positions: n itself for
-        dynamic steps; fixed-shape steps pad it to a power-of-two number of blocks, a block rounded
-        up to KEY_ALIGNMENT positions (at most the model's longest input, so rounded up), so that
-        few shapes serve every length."""
+        """The slot buffers' encoder length for a longest sequence of n positions: n rounded up to
+        KEY_ALIGNMENT for dynamic steps; fixed-shape steps pad it to a power-of-two number of
+        blocks, a block rounded up to KEY_ALIGNMENT positions (at most the model's longest input,
+        so rounded up), so that few shapes serve every length."""
         if self.fixed is None:
-            return n
+            return bucket_length(n, self.KEY_ALIGNMENT)
         unit = bucket_length(self.model.manifest.block_size, self.KEY_ALIGNMENT)
         longest = bucket_length(self.model.manifest.max_length, unit)
         return min(unit << (-(-n // unit) - 1).bit_length(), longest)
@@ -623,15 +624,19 @@ class DeviceDecoder:
     def _assemble_past(self, old: _Batch | None, stay: list[DecodeState], source: list[int],
                        moved: list[tuple[int, int]], capacity: int, rows: int, in_place: bool) -> tuple[list[Any], int]:
         """The batch's self-attention cache and its length P: dynamic steps, the live rows' last
-        P positions (left-padded); fixed-shape steps, the cache of P positions (P from
+        positions, left-padded to P, the longest rounded up to KEY_ALIGNMENT; fixed-shape steps, the cache of P positions (P from
         `_cache_length`, kept while the longest row needs more than a quarter of it), in place
         when the capacity and P stay (rows moved down by a compaction move with their cache)."""
         longest = max((s.length for s in stay), default=0)  # rows that left need no past: any values do
-        if self.fixed is None:
+        if self.fixed is None:  # left-padded to a multiple of KEY_ALIGNMENT
+            P = bucket_length(longest, self.KEY_ALIGNMENT)
+            if stay and P == old.P:  # the rows in their new order (nothing copied if it is the same)
+                return self.regroup.take(old.past, source, 2, 0, P), P
             if stay:
-                return self.regroup.take(old.past, source, 2, old.P - longest, old.P), longest
-            return [self._upload("past", np.zeros((rows, self.heads, 0, self.head_dim), self.model.float_type))
-                    for _ in self.kv], 0
+                return self.regroup.take(old.past, source, 2, old.P - longest, old.P, pad_before=P - longest), P
+            past = self.regroup.allocate([rows, self.heads, P, self.head_dim], len(self.kv))
+            self.regroup.fill(past)  # masked; zeros on the device, nothing sent from the host
+            return past, P
         P = self._cache_length(longest + 1)
         if old is not None and old.P >= longest + 1 and old.P // 4 < P:
             P = old.P
@@ -761,7 +766,13 @@ class DeviceDecoder:
             binding.bind_output(name, self.device_type, self.device_id)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        b.past, b.P = outputs[1:], b.P + 1
+        # the next step's past, (B, H, P + 1, D) with the new keys at P, left-padded to a multiple of
+        # KEY_ALIGNMENT again: its oldest position (padding for every row) dropped, or 15 more added
+        longest = max((s.length for s in b.states if not s.left), default=0) + 1
+        P = bucket_length(longest, self.KEY_ALIGNMENT)
+        b.past = self.regroup.take(outputs[1:], list(range(B)), 2, b.P + 1 - min(P, b.P + 1), b.P + 1,
+                                   pad_before=max(0, P - b.P - 1))
+        b.P = P
         return outputs[0].numpy()[:, -1]  # (B, V)
 
 

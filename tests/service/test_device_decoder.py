@@ -119,7 +119,8 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         before = sum(dec.copied.values())
         logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
         sent = sum(dec.copied.values()) - before
-        B, P = len(dec.rows), dec.past_length - 1  # rows (those that left ride along), past length
+        # rows (those that left ride along); the step's past: the longest, left-padded to KEY_ALIGNMENT
+        B, P = len(dec.rows), bucket_length(max(len(fed[i]) - 1 for i in live), dec.KEY_ALIGNMENT)
         per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
         masks = 8 * B * dec.source_length
         assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
@@ -200,15 +201,19 @@ def test_a_join_writes_only_the_newcomers_cross_state(summarizer):
     row_bytes = dec.heads * dec.source_length * dec.head_dim * item * len(dec.kv)  # one sequence's cross state
     past_bytes = lambda rows, P: rows * dec.heads * P * dec.head_dim * item * len(dec.kv)  # noqa: E731
 
+    # every step writes the batch's next past (left-padded to KEY_ALIGNMENT positions again)
+    realigned = lambda: past_bytes(len(dec.rows), dec.past_length)  # noqa: E731
     moved = dec.regroup.moved
     step([0, 1, 2, 3])  # a join: the newcomer's row, and the (small) self-attention cache of 4 rows
-    assert dec.regroup.moved - moved == row_bytes + past_bytes(4, 2)
+    assert dec.regroup.moved - moved == row_bytes + past_bytes(4, dec.past_length) + realigned()
     assert dec.cross_addresses == buffers and dec.rows[3] is states[3]
-    step([0, 2, 3])  # 1 leaves: its row is masked, nothing moves
+    moved = dec.regroup.moved
+    step([0, 2, 3])  # 1 leaves: its row is masked, no row moves
+    assert dec.regroup.moved - moved == realigned()
     moved = dec.regroup.moved
     step([0, 2, 3, 4])  # 4 takes over 1's row
     assert dec.rows[1] is states[4] and len(dec.rows) == 4
-    assert dec.regroup.moved - moved == row_bytes  # the batch did not grow: the cache stays as it is
+    assert dec.regroup.moved - moved == row_bytes + realigned()  # the batch did not grow: the cache stays
     assert dec.cross_addresses == buffers
     step([0, 2, 3, 4])
     assert dec.capacity == 4
@@ -234,7 +239,8 @@ def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
             fed[i].append(int(row.argmax()))
         if live == (0, 1):
             long_se = dec.source_length
-    assert dec.source_length == max(s.encoder_length for s in states[1:]) <= long_se // 2
+    assert dec.source_length == bucket_length(max(s.encoder_length for s in states[1:]), dec.KEY_ALIGNMENT)
+    assert dec.source_length <= long_se // 2
     for i in (1, 2):
         want = one_sequence_logits(model, docs[i], fed[i][:-1])
         np.testing.assert_allclose(np.array(got[i]), np.array(want), rtol=1e-4, atol=1e-4)
@@ -261,8 +267,9 @@ def test_a_batch_mostly_gone_is_compacted(summarizer):
         fed.append(tokens[id(states[3])])
     assert len(dec.rows) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
     row_bytes = dec.heads * dec.source_length * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
-    past_bytes = dec.heads * 3 * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)  # one row, 3 steps in
-    assert moves[3] == row_bytes + past_bytes  # the last row moved down into the first: one row's copy
+    # one row's past: moved down, then realigned after its step (KEY_ALIGNMENT positions, 3 steps in)
+    past_bytes = dec.heads * dec.KEY_ALIGNMENT * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
+    assert moves[3] == row_bytes + 2 * past_bytes  # the last row moved down into the first: one row's copy
     assert dec.capacity == 4  # the buffers stay, for the rows to come
     want = one_sequence_logits(model, docs[3], fed[:-1])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

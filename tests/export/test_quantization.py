@@ -111,3 +111,12 @@ def test_gelu_bound_keeps_every_gelu_value_in_range():
     q, s = session.run(None, {"x": values})
     restored = (q.astype(np.float32) - GELU_ZERO_POINT) * s
     assert np.abs(restored - values).max() <= s.max() / 2 * 1.001  # rounding only: nothing clipped at 0
+
+
+def test_the_pass_over_its_own_graph_changes_nothing(int8_qa):
+    from longdoc.export.quantization import per_row_activations
+
+    once = onnx.load(str(int8_qa))
+    twice = per_row_activations(onnx.load(str(int8_qa)))
+    nodes = [[(n.op_type, list(n.input)) for n in model.graph.node] for model in (once, twice)]
+    assert nodes[0] == nodes[1]

@@ -4,7 +4,8 @@ the ways interleaved round by round, so that the machine's drift falls on all al
 
     per round and way: --batch documents of --tokens encoder tokens are encoded, then --steps
     greedy steps run from the start token (the cache grows as in a summary); the first step
-    (the batch's assembly) is left out, the median of the others is the round's figure
+    (the batch's assembly) is left out, the median of the others is the round's figure; a way
+    against the first: the median over rounds of the two figures' ratio in one round
 
 Batch 1 and --batch. On bench/decode_concurrency.py's model (its --work folder, made there;
 torch and transformers needed once) or any summarize export (--model-dir). Prints a table,
@@ -24,16 +25,22 @@ from pathlib import Path
 from common import command_line, cpu_name, log
 
 
+def round_ratio(result: dict, way: str, batch: str) -> float:
+    """A way's step time against the first way's, the median over rounds of the two measured in one
+    round (one after the other), so that the machine's drift between rounds cancels."""
+    base = result["rounds"][next(iter(result["rounds"]))][batch]
+    return statistics.median(t / b for t, b in zip(result["rounds"][way][batch], base))
+
+
 def markdown_table(result: dict) -> str:
     """The page's table (docs/benchmarks.md, "Fixed-shape decoder steps") of a results file."""
     batch = f"batch_{result['batch']}"
     ways = list(result["step_ms"])
-    base = result["step_ms"][ways[0]]
     lines = [f"| decoder steps | batch 1, ms a step | batch {result['batch']}, ms a step | against {ways[0]} |",
              "|---|---:|---:|---:|"]
     for w, ms in result["step_ms"].items():
         lines.append(f"| {w} | {ms['batch_1']:.1f} | {ms[batch]:.1f} | "
-                     f"{ms['batch_1'] / base['batch_1']:.2f}x, {ms[batch] / base[batch]:.2f}x |")
+                     f"{round_ratio(result, w, 'batch_1'):.2f}x, {round_ratio(result, w, batch):.2f}x |")
     return "\n".join(lines)
 
 

@@ -61,20 +61,24 @@ def bucket_length(length: int, bucket_size: int) -> int:
     return max(1, -(-length // bucket_size)) * bucket_size
 
 
-def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -> list[range]:
-    """Consecutive runs of `lengths` (in order) whose padded cost, the longest one's bucket length
-    times the count, stays within `max_batch_tokens`; a sequence over the budget alone runs alone.
-    The decode scheduler's newcomers are encoded this way (`OnnxWorker.begin`), as the encoder
-    batcher's batches are: on a CPU one 4096-token document at a time."""
-    groups, start, longest = [], 0, 0
+def budget_groups(lengths: list[int], max_batch_tokens: int, bucket_size: int) -> list[list[int]]:
+    """The decode scheduler's newcomers as encoder batches (`OnnxWorker.begin`), by this module's
+    rules: a group holds sequences of one bucket, so that each is padded to the length it has
+    alone (a short document padded to a long one's length would run the long one's attention:
+    block-sparse past the full-attention length, a layout of more blocks, another summary), and
+    costs at most `max_batch_tokens` (its bucket length times its count); a sequence over the
+    budget alone runs alone. Each group is the indices of its sequences in `lengths`, in order;
+    the groups come in the order of their first sequence. On a CPU one 4096-token document at a
+    time."""
+    groups: list[list[int]] = []
+    filling: dict[int, list[int]] = {}  # bucket length -> its group being filled
     for i, n in enumerate(lengths):
         bucket = bucket_length(n, bucket_size)
-        if i > start and max(longest, bucket) * (i - start + 1) > max_batch_tokens:
-            groups.append(range(start, i))
-            start, longest = i, 0
-        longest = max(longest, bucket)
-    if lengths:
-        groups.append(range(start, len(lengths)))
+        group = filling.get(bucket)
+        if group is None or (len(group) + 1) * bucket > max_batch_tokens:
+            group = filling[bucket] = []
+            groups.append(group)
+        group.append(i)
     return groups
 
 

@@ -179,6 +179,20 @@ def step_tail_graph(dtype, m: int, batch: int, heads: int, cache: int, head_dim:
 
 # --- the kernels on a device -------------------------------------------------------------------
 
+def small_graph_options():
+    """Session options of the worker's small graphs (these kernels, the decoder step's tail): they run
+    on the calling thread. ONNX Runtime's default is a pool of a thread per core that spins after each
+    run, taking the cores from the decoder step that runs next: with a tail after every fixed-shape
+    step, a batch of 8 stepped 1.37x slower on a 2-core CPU (bench/decode_steps.py)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 class Regroup:
     """`take` on OrtValues that live on one device (any execution provider: the CPU
     provider runs the same code in tests). Sessions are built lazily per graph shape and kept.
@@ -197,9 +211,7 @@ class Regroup:
     def _session(self, key: tuple, build):
         s = self._sessions.get(key)
         if s is None:
-            options = self.ort.SessionOptions()
-            options.log_severity_level = 3
-            s = self._sessions[key] = self.ort.InferenceSession(build(), options, providers=self.providers)
+            s = self._sessions[key] = self.ort.InferenceSession(build(), small_graph_options(), providers=self.providers)
         return s
 
     def _run(self, session, inputs: dict, cpu_inputs: dict, n_out: int, into: tuple | None = None) -> list:

@@ -71,9 +71,10 @@ class Settings(BaseSettings):
                           "unset: on for cuda, off for cpu (where both would share the same cores)")
 
     decoder_steps: Literal["auto", "dynamic", "fixed", "captured"] = Field(
-        "auto", description="summarize: how decoder steps run: dynamic (each step at the batch's own lengths), "
-                            "fixed (every shape fixed, greedy chosen on the device) or captured (fixed, replayed "
-                            "as CUDA graphs; cuda only); auto: captured on cuda, dynamic on cpu")
+        "auto", description="summarize: how decoder steps run: fixed (every shape fixed, greedy chosen on the "
+                            "device; on cpu a summary does not depend on the load), captured (fixed, replayed as "
+                            "CUDA graphs; cuda only) or dynamic (each step at the batch's own lengths; a summary "
+                            "can change with the other sequences in its batch); auto: captured on cuda, fixed on cpu")
 
     # request limits
     max_document_bytes: int = Field(2_000_000, ge=1, description="bytes per document (413 beyond)")

@@ -153,10 +153,14 @@ class OnnxWorker:
 
     # summarization: one state per sequence, kept on the worker's device (DeviceDecoder)
     def begin(self, input_ids: list[list[int]]) -> list[DecodeState]:
-        """Encode newcomers in encoder batches within this worker's token budget, back to back
-        (they join the running batch together, at its next step)."""
-        groups = budget_groups([len(x) for x in input_ids], self.max_batch_tokens, self.info.block_size)
-        return [s for g in groups for s in self._guard(self.decoder.begin, input_ids[g.start:g.stop])]
+        """Encode newcomers in encoder batches of one bucket each within this worker's token budget
+        (`budget_groups`: each is encoded at the length it has alone), back to back; they join the
+        running batch together, at its next step. Their states in `input_ids` order."""
+        states: list[DecodeState | None] = [None] * len(input_ids)
+        for group in budget_groups([len(x) for x in input_ids], self.max_batch_tokens, self.info.block_size):
+            for i, state in zip(group, self._guard(self.decoder.begin, [input_ids[i] for i in group])):
+                states[i] = state
+        return states
 
     def step(self, states: list[DecodeState], tokens: list[int]) -> np.ndarray:
         return self._guard(self.decoder.step, states, tokens)
@@ -293,9 +297,12 @@ class _Batch:
 
 
 DECODER_STEPS = ("dynamic", "fixed", "captured")
-# how a device runs decoder steps unless the settings say (`decoder_steps`); the CPU's choice is
-# measured by bench/decode_costs.py (docs/gpu.md, "Fixed-shape decoder steps")
-DEFAULT_DECODER_STEPS = {"cpu": "dynamic", "cuda": "captured"}
+# how a device runs decoder steps unless the settings say (`decoder_steps`). Fixed-shape steps on
+# the CPU too: there a sequence's logits are bitwise those it has decoding alone, whatever joins or
+# leaves the batch (`DeviceDecoder.KEY_ALIGNMENT`, issue 40); dynamic steps are not, and their
+# speed is no reason to serve answers that depend on the load (docs/benchmarks.md, "Fixed-shape
+# decoder steps")
+DEFAULT_DECODER_STEPS = {"cpu": "fixed", "cuda": "captured"}
 
 
 class _FixedShapes:
@@ -387,11 +394,10 @@ class _FixedShapes:
         if key not in self._tails:
             import onnxruntime as ort
 
-            from longdoc.service.regroup import step_tail_graph
+            from longdoc.service.regroup import small_graph_options, step_tail_graph
 
             d, g = self.decoder, self.decoder.graph
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
+            options = small_graph_options()
             graph = step_tail_graph(d.model.float_type, len(d.kv), capacity, d.heads, P, d.head_dim, d.vocab, K)
             captured = [("CUDAExecutionProvider", {"device_id": d.device_id, "enable_cuda_graph": "1"})]
             session = self._session(lambda capture: ort.InferenceSession(
@@ -433,7 +439,17 @@ class DeviceDecoder:
       replays them (CUDA only). While a shape is captured, nothing else may run on the GPU, so
       its first runs and the encoder exclude each other (`_exclusive`)."""
 
-    MIN_CACHE = 16  # positions of the smallest fixed-shape cache
+    # Fixed-shape steps keep each sequence's keys where they are when it decodes alone (its cross
+    # state from position 0, its cache position t at index t, the padding after them, masked) and
+    # every key axis a step reduces over a multiple of KEY_ALIGNMENT positions (the cross state's
+    # length, the cache's, whose new key sits at its end). ONNX Runtime's CPU kernels (MLAS) then add
+    # a key's terms in the same order whatever the axis length: Softmax sums in 16 lanes (AVX-512;
+    # 8 with AVX2), the one-row P.V product takes the keys in groups of 4, and Q.K^T works in column
+    # blocks of 16, so the padding adds exact zeros and a row's logits do not depend on its batch
+    # (tests/service/test_batch_invariance.py). Dynamic steps left-pad the cache to the longest row
+    # and crop the cross state to the longest sequence: a row's keys move between lanes and groups.
+    KEY_ALIGNMENT = 16
+    MIN_CACHE = KEY_ALIGNMENT  # positions of the smallest fixed-shape cache (a power of two)
     CAPTURE_RUNS = 2  # ONNX Runtime runs a graph once, then captures it on the next run
 
     def __init__(self, model, device_type: str = "cpu", device_id: int = 0, steps: str = "dynamic"):
@@ -522,13 +538,14 @@ class DeviceDecoder:
 
     def _source_length(self, n: int) -> int:
         """The slot buffers' encoder length for a longest sequence of n positions: n itself for
-        dynamic steps; fixed-shape steps pad it to a power-of-two number of blocks (at most the
-        model's longest input), so that few shapes serve every length."""
+        dynamic steps; fixed-shape steps pad it to a power-of-two number of blocks, a block rounded
+        up to KEY_ALIGNMENT positions (at most the model's longest input, so rounded up), so that
+        few shapes serve every length."""
         if self.fixed is None:
             return n
-        block = self.model.manifest.block_size
-        longest = bucket_length(self.model.manifest.max_length, block)
-        return min(block << (-(-n // block) - 1).bit_length(), longest)
+        unit = bucket_length(self.model.manifest.block_size, self.KEY_ALIGNMENT)
+        longest = bucket_length(self.model.manifest.max_length, unit)
+        return min(unit << (-(-n // unit) - 1).bit_length(), longest)
 
     def _cache_length(self, n: int) -> int:
         """A fixed-shape cache for rows of up to n positions: a power of two, at least MIN_CACHE."""

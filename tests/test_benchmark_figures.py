@@ -89,15 +89,16 @@ def test_every_benchmark_script_is_on_the_page():
             assert f"bench/{script.name}" in PAGE or f"`{script.name}`" in PAGE, script.name
 
 
-def test_the_decode_steps_table_is_its_results_file():
-    run = results("decode/steps.json")
-    table = load_bench("decode_steps").markdown_table(run)
-    assert table in PAGE and run["command"] in PAGE
+def test_the_decode_steps_tables_are_their_results_files():
+    for name in ("decode/steps.json", "decode/steps-1100.json"):
+        run = results(name)
+        table = load_bench("decode_steps").markdown_table(run)
+        assert table in PAGE and run["command"] in PAGE, name
+        assert f"--tokens {run['tokens']}" in run["command"] and f"{run['tokens']:,} tokens" in PAGE
     from longdoc.service.workers import DEFAULT_DECODER_STEPS
 
-    fixed, dynamic = run["step_ms"]["fixed"], run["step_ms"]["dynamic"]
-    no_slower = all(fixed[k] <= dynamic[k] for k in dynamic)  # then it is the CPU's only path too
-    assert DEFAULT_DECODER_STEPS["cpu"] == ("fixed" if no_slower else "dynamic")
+    # whatever they cost: on the CPU only fixed-shape steps keep a summary independent of the load
+    assert DEFAULT_DECODER_STEPS["cpu"] == "fixed"
 
 
 def test_the_int8_scale_tables_are_their_results_files():

@@ -163,12 +163,13 @@ def test_the_least_served_request_goes_first_on_its_turn():
     assert [p.next_batch(now=1.0).entries[0].payload for _ in range(4)] == ["a0", "b0", "a1", "c0"]
 
 
-def test_budget_groups_keep_order_and_the_budget():
+def test_budget_groups_hold_one_bucket_within_the_budget():
     # buckets of 64: 100 -> 128, 60 -> 64, 200 -> 256, 4000 -> 4032
-    assert budget_groups([100, 60, 100], 256, 64) == [range(0, 2), range(2, 3)]  # 128 * 2, then 128 * 3 > 256
-    assert budget_groups([60, 200, 60], 512, 64) == [range(0, 2), range(2, 3)]  # 256 * 2, then 256 * 3 > 512
-    assert budget_groups([4000, 50], 1024, 64) == [range(0, 1), range(1, 2)]  # over the budget alone: alone
-    assert budget_groups([4000] * 3, 1 << 20, 64) == [range(0, 3)]
+    assert budget_groups([100, 60, 100], 256, 64) == [[0, 2], [1]]  # one bucket a group: 60 is not padded to 128
+    assert budget_groups([100, 110, 100], 256, 64) == [[0, 1], [2]]  # 128 * 2, then 128 * 3 > 256
+    assert budget_groups([60, 200, 60], 512, 64) == [[0, 2], [1]]
+    assert budget_groups([4000, 50], 1024, 64) == [[0], [1]]  # over the budget alone: alone
+    assert budget_groups([4000] * 3, 1 << 20, 64) == [[0, 1, 2]]
     assert budget_groups([], 1024, 64) == []
 
 
@@ -176,10 +177,12 @@ def test_budget_groups_keep_order_and_the_budget():
 @settings(max_examples=200, deadline=None)
 def test_budget_groups_cover_everything_within_the_budget(lengths, budget, bucket):
     groups = budget_groups(lengths, budget, bucket)
-    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # in the order of their first sequence
+    buckets = [-(-n // bucket) * bucket for n in lengths]
     for g in groups:
-        padded = max(-(-lengths[i] // bucket) * bucket for i in g) * len(g)
-        assert len(g) == 1 or padded <= budget
-    for a, b in zip(groups, groups[1:]):  # each group is as long as the budget allows
-        both = range(a.start, b.start + 1)
-        assert max(-(-lengths[i] // bucket) * bucket for i in both) * len(both) > budget
+        assert g == sorted(g) and len({buckets[i] for i in g}) == 1
+        assert len(g) == 1 or buckets[g[0]] * len(g) <= budget
+    for padded in set(buckets):  # a bucket's next group starts only when the budget is spent
+        full = [g for g in groups if buckets[g[0]] == padded][:-1]
+        assert all(padded * (len(g) + 1) > budget for g in full)

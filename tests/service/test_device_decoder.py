@@ -103,7 +103,7 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
     pass the batch in another order. Each row's logits are its one-sequence logits; once a
     sequence has joined, no step copies more to the device than the per-step tensors (token ids,
     positions, masks), whoever joins or leaves."""
-    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1, decoder_steps="dynamic")
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in (40, 120, 70)]
     start = worker.info.special_tokens["decoder_start"]
@@ -142,23 +142,25 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
 
 
 def test_newcomers_are_encoded_within_the_workers_batch_budget(summarizer):
-    """A group of newcomers is encoded in batches of at most the worker's `max_batch_tokens`
-    (one 4096-token document at a time on a CPU), in order; they still join the running batch
-    together and decode as they would alone."""
-    docs_lengths = (40, 120, 70, 30)
+    """A group of newcomers is encoded in batches of one bucket and at most the worker's
+    `max_batch_tokens` (one 4096-token document at a time on a CPU); they still join the running
+    batch together and decode as they would alone."""
+    docs_lengths = (40, 120, 42, 70, 38)
     worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
     block = worker.info.block_size
     bucket = lambda n: bucket_length(n, block)  # noqa: E731
-    worker.max_batch_tokens = 2 * bucket(70)  # groups: the first alone (the second would pad it to 120), 120 alone, 70 + 30
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in docs_lengths]
+    worker.max_batch_tokens = 2 * bucket(len(docs[0]))  # the 40s' bucket: two of them, then the third alone
     states = worker.begin(docs)
     groups = list({id(s.group): s.group for s in states}.values())
     expect = budget_groups([len(d) for d in docs], worker.max_batch_tokens, block)
-    assert len(groups) == len(expect) > 1
+    assert len(groups) == len(expect) > 1 and max(map(len, expect)) == 2
     for g, rows in zip(groups, expect):
-        assert [s.row for s in states if s.group is g] == list(range(len(rows)))
-        assert max(bucket(len(docs[i])) for i in rows) * len(rows) <= worker.max_batch_tokens or len(rows) == 1
+        assert [states[i].group for i in rows] == [g] * len(rows)
+        assert [states[i].row for i in rows] == list(range(len(rows)))
+        assert len({bucket(len(docs[i])) for i in rows}) == 1
+        assert bucket(len(docs[rows[0]])) * len(rows) <= worker.max_batch_tokens or len(rows) == 1
     start = worker.info.special_tokens["decoder_start"]
     fed, got = [[start] for _ in docs], [[] for _ in docs]
     for _ in range(4):
@@ -176,7 +178,7 @@ def test_a_join_writes_only_the_newcomers_cross_state(summarizer):
     """The running batch's cross keys/values live in slot buffers: a newcomer is written into a
     free row (the row of a sequence that left first) and the rows already there are not copied
     again; each row still decodes as its sequence alone would."""
-    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1, decoder_steps="dynamic")
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in (90, 60, 75, 40, 50)]
     start = worker.info.special_tokens["decoder_start"]
@@ -219,7 +221,7 @@ def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
     """A long document leaves; a short one joins: the slot buffers are rebuilt at the short
     sequences' length (every step reads the buffers' whole encoder length; a sequence encoded with
     the long one keeps only its own positions), and each row still decodes as it would alone."""
-    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1, decoder_steps="dynamic")
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in (300, 40, 50)]
     start = worker.info.special_tokens["decoder_start"]
@@ -241,7 +243,7 @@ def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
 def test_a_batch_mostly_gone_is_compacted(summarizer):
     """One of four sequences leaves, then two more: the batch is gathered down to the one that stays (rows that
     left ride along only while they are fewer than the live ones), whose logits stay its own."""
-    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1, decoder_steps="dynamic")
     model, dec = worker.model, worker.decoder
     docs = [document_ids(model, text_of(n, seed=n)) for n in (30, 60, 45, 80)]
     start = worker.info.special_tokens["decoder_start"]
@@ -271,7 +273,7 @@ def test_scheduler_tokens_are_the_reference_searchs(summarizer, overlap):
     """Greedy requests joining the running batch at different steps and one beam search among them:
     every answer is `OnnxModel.generate`'s, and the batch's device state is freed at the end; also
     when newcomers are encoded on the second thread while the batch steps (as on a GPU)."""
-    worker = OnnxWorker("sum", summarizer, "cpu", threads=1)
+    worker = OnnxWorker("sum", summarizer, "cpu", threads=1, decoder_steps="dynamic")
     worker.overlaps_encoding = overlap
     model = worker.model
     docs = [document_ids(model, text_of(n, seed)) for n, seed in ((200, 1), (40, 2), (120, 3), (90, 4))]

@@ -114,11 +114,12 @@ def _unfuse_bias(graph: onnx.GraphProto, nodes: list) -> None:
     Add(constant bias)] into one MatMulIntegerToFloat kernel, which with a scale per row applies that
     scale after the fused bias, to the bias too (onnxruntime 1.32,
     contrib_ops/cpu/quantization/dynamic_quantize_matmul.cc). So the bias Add(product, bias) becomes
-    Sub(product, -bias), the same sum bit for bit, added after the fused product; where a residual
-    Add and a LayerNormalization follow, the two sums become product - (-bias - residual), i.e.
-    product + (residual + bias): as many passes, and no Add left before the LayerNormalization, which
-    ONNX Runtime would fuse into a SkipLayerNormalization, 2.4x the time of the Subs and the
-    LayerNormalization at 4096 x 768 on one thread (its CPU kernel, onnxruntime 1.32)."""
+    Sub(product, -bias), the same sum bit for bit, added after the fused product (a graph this pass
+    wrote before has that Sub already). Where a residual Add and a LayerNormalization follow, the two
+    sums become product - (-bias - residual), i.e. product + (residual + bias): as many passes, and no
+    Add left before the LayerNormalization, which ONNX Runtime would fuse into a
+    SkipLayerNormalization, 2.4x the time of the Subs and the LayerNormalization at 4096 x 768 on one
+    thread (its CPU kernel, onnxruntime 1.32)."""
     constants = {t.name: t for t in graph.initializer}
     products = {n.output[0] for n in nodes if n.op_type == "MatMulInteger"}
     casts = {n.output[0] for n in nodes if n.op_type == "Cast" and n.input[0] in products}
@@ -135,18 +136,21 @@ def _unfuse_bias(graph: onnx.GraphProto, nodes: list) -> None:
         return found[0] if ok else None
 
     for node in nodes:
-        if node.op_type != "Add" or not set(node.input) & rescaled:
+        if node.op_type == "Add" and set(node.input) & rescaled:
+            product, bias = node.input if node.input[0] in rescaled else reversed(node.input)
+            if bias not in constants:
+                continue
+            negated = numpy_helper.from_array(-numpy_helper.to_array(constants[bias]), f"{bias}/negated")
+            graph.initializer.append(negated)
+            node.op_type = "Sub"
+            node.input[:] = [product, negated.name]
+        elif node.op_type == "Sub" and node.input[0] in rescaled and node.input[1] in constants:
+            product = node.input[0]  # written so by an earlier version of this pass
+        else:
             continue
-        product, bias = node.input if node.input[0] in rescaled else reversed(node.input)
-        if bias not in constants:
-            continue
-        negated = numpy_helper.from_array(-numpy_helper.to_array(constants[bias]), f"{bias}/negated")
-        graph.initializer.append(negated)
-        node.op_type = "Sub"
-        node.input[:] = [product, negated.name]
         residual_add = sole_consumer(node.output[0], "Add")
         if residual_add is not None and sole_consumer(residual_add.output[0], "LayerNormalization") is not None:
             residual = next(name for name in residual_add.input if name != node.output[0])
-            node.input[:] = [negated.name, residual]  # -bias - residual
+            node.input[:] = [node.input[1], residual]  # -bias - residual
             residual_add.op_type = "Sub"
             residual_add.input[:] = [product, node.output[0]]

@@ -508,11 +508,26 @@ class GatedSession:
 def test_fixed_shape_steps_go_on_while_the_encoder_runs(summarizer):
     """The encoder beside the steps (issue 36, item 3): while a newcomer's encoder session is
     mid-run (held at a gate), the running sequence's fixed-shape steps go on to its last token;
-    then the newcomer joins, and both answers are the reference search's."""
+    then the newcomer joins, and both answers are the reference search's. The steps wait for the
+    newcomer's encoder to reach its run (the second step until the newcomer is submitted, so that
+    it is admitted after it; the later ones until the encoder is held), else the running sequence
+    may finish before the encoder thread gets to run at all, and nothing is shown to overlap."""
     worker = fixed_worker(summarizer)
     worker.overlaps_encoding = True
     dec = worker.decoder
-    dec.encoder.session = GatedSession(dec.encoder.session, gated=2)
+    gate = dec.encoder.session = GatedSession(dec.encoder.session, gated=2)
+    submitted, while_held = threading.Event(), []  # per step: did it run while the encoder was held?
+    step_greedy = worker.step_greedy
+
+    def gated_step(*args):
+        if len(while_held) == 1:
+            assert submitted.wait(60), "the test never submitted the newcomer"
+        elif while_held:
+            assert gate.held.wait(60), "the newcomer's encoder never got to its run"
+        while_held.append(gate.held.is_set() and not gate.gate.is_set())
+        return step_greedy(*args)
+
+    worker.step_greedy = gated_step
     model = worker.model
     docs = [document_ids(model, text_of(n, seed)) for n, seed in ((60, 1), (90, 2))]
     settings = resolve_settings(worker.info.generation, max_new_tokens=12)
@@ -523,28 +538,28 @@ def test_fixed_shape_steps_go_on_while_the_encoder_runs(summarizer):
                                     max_queue_tokens=1 << 20, endpoint="summarize")
         scheduler.start()
         state = RequestState(deadline=time.monotonic() + 120)
-        gate = dec.encoder.session
         try:
             first = (await scheduler.submit(docs[0], settings, state)).__aiter__()
             head = [await first.__anext__()]
             second = await scheduler.submit(docs[1], settings, state)
-            assert await asyncio.to_thread(gate.held.wait, 60)
-            fetched = dec.fetched["tokens"]
+            submitted.set()
 
             async def rest(stream):
                 return [t async for t in stream]
 
             tail = await asyncio.wait_for(rest(first), 60)  # to its end, the encoder still held
             assert not gate.gate.is_set()
-            moved_on = dec.fetched["tokens"] > fetched
             gate.gate.set()
-            return head + tail, [t async for t in second], moved_on
+            return head + tail, [t async for t in second]
         finally:
+            submitted.set()
             gate.gate.set()
             await scheduler.close()
 
-    first, second, moved_on = asyncio.run(go())
-    assert moved_on and [first, second] == want
+    first, second = asyncio.run(go())
+    assert [first, second] == want and len(first) > 2
+    # the running sequence's steps after its second all ran while the newcomer's encoder was held
+    assert while_held[:len(first)] == [False, False] + [True] * (len(first) - 2)
 
 
 def test_a_refused_capture_leaves_the_steps_uncaptured(summarizer, monkeypatch, caplog):

@@ -7,7 +7,8 @@ A summary beside others, at the worker: newcomers are encoded as they would be a
 holds one bucket, so a short document is never padded into a longer one's block-sparse attention),
 and each decoder step's logits of a sequence are bitwise those of the sequence decoding alone,
 whatever joins or leaves around it, with either way of running the steps (every key axis a multiple
-of 16 positions, each sequence's keys at the same places modulo 16: DeviceDecoder.KEY_ALIGNMENT)."""
+of 16 positions, each sequence's keys at the same places modulo 16: export/runtime.py KEY_ALIGNMENT).
+`longdoc eval`'s search follows the same rule, so it decodes a summary as the service does."""
 
 from __future__ import annotations
 

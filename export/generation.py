@@ -17,25 +17,33 @@ from collections.abc import Callable
 
 import numpy as np
 
+from longdoc.export.runtime import aligned_key_length, aligned_self_mask, next_past_window
 from longdoc.model.search import GenerationStopped, SearchSettings, beam_search, check_stop, greedy_search, resolve_settings
 
 __all__ = ["GenerationStopped", "SearchSettings", "generate", "generated_tokens", "search_defaults", "settings_for"]
 
 
 class _CachedDecoder:
-    """One new token per row through the decoder graph with a growing KV cache."""
+    """One new token per row through the decoder graph with a growing KV cache, every key axis
+    aligned as the service's decoder aligns it (longdoc.export.runtime.KEY_ALIGNMENT): the cross
+    state padded to a multiple of KEY_ALIGNMENT, the past right-aligned against the new key and
+    left-padded to a multiple of KEY_ALIGNMENT after every step, so that a sequence's logits are
+    bitwise those the service's steps give it."""
 
     def __init__(self, model, state):
-        self.model, self.state = model, state
+        self.model, self.state = model, state.aligned()
         self.past = None
 
     def next_logits(self, sequences: np.ndarray) -> np.ndarray:
         N, cur_len = sequences.shape
+        done = cur_len - 1  # tokens already in the past (every row has as many)
         if self.past is None:
-            self.past = self.model.empty_past(N)
-        logits, self.past = self.model.decoder_step(
-            self.state, sequences[:, -1:], np.full((N, 1), cur_len - 1, np.int64),
-            np.ones((N, cur_len), np.int64), self.past)
+            self.past = self.model.empty_past(N, aligned_key_length(0))  # masked
+        P = self.past[0].shape[2]
+        logits, present = self.model.decoder_step(self.state, sequences[:, -1:], np.full((N, 1), done, np.int64),
+                                                  aligned_self_mask(P, [done] * N), self.past)
+        start, stop, pad_before = next_past_window(P, done + 1)
+        self.past = [np.pad(p[:, :, start:stop], ((0, 0), (0, 0), (pad_before, 0), (0, 0))) for p in present]
         return logits[:, -1]  # (N, V) float32
 
     def reorder(self, rows: np.ndarray) -> None:

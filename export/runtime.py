@@ -103,6 +103,46 @@ class DecoderGraph:
         return {"batch": batch, "new": 1, "past": past, "total": past + 1, "source": source}
 
 
+# Key alignment: a sequence's decoder logits do not depend on what else is in its batch, nor on
+# whether the service or `longdoc eval` decodes it (issue 40; tests/service/test_batch_invariance.py,
+# `test_eval_decodes_as_the_service`), because every key axis a step reduces over has a
+# length that is a multiple of KEY_ALIGNMENT (the cross state's; the past's, whose new key sits at its
+# end) and each sequence's keys sit at the same places modulo KEY_ALIGNMENT whoever decodes it: its
+# cross state from position 0, padded after (`aligned_key_length`); its past right-aligned against the
+# new key, left-padded to a multiple of KEY_ALIGNMENT again after every step (`next_past_window`,
+# `aligned_self_mask`; the service's fixed-shape steps keep position t at index t instead). ONNX
+# Runtime's CPU kernels (MLAS) then add a key's terms in the same order whatever the axis length:
+# Softmax sums in 16 lanes (AVX-512; 8 with AVX2), the one-row P.V product takes the keys in groups
+# of 4 and Q.K^T works in column blocks of 16, so the masked padding adds exact zeros. Cropped to
+# the longest sequence and left-padded to the longest row (or at exact lengths), a row's keys move
+# between lanes and groups, and its logits in their last bits (a near-tied token can flip).
+KEY_ALIGNMENT = 16
+
+
+def aligned_key_length(n: int) -> int:
+    """The length of a key axis that holds n positions: n rounded up to KEY_ALIGNMENT (at least
+    KEY_ALIGNMENT, so the first step's empty past is KEY_ALIGNMENT masked positions)."""
+    return max(1, -(-n // KEY_ALIGNMENT)) * KEY_ALIGNMENT
+
+
+def next_past_window(P: int, longest: int) -> tuple[int, int, int]:
+    """A step over a past of P positions writes a present of P + 1 (the new keys at P); the next
+    step's past is its last `longest` positions (the longest row's tokens so far), left-padded to
+    `aligned_key_length(longest)`: (start, stop, pad_before) along the present's position axis (its
+    oldest position, padding for every row, dropped, or KEY_ALIGNMENT - 1 more added)."""
+    n = aligned_key_length(longest)
+    return P + 1 - min(n, P + 1), P + 1, max(0, n - P - 1)
+
+
+def aligned_self_mask(P: int, lengths) -> np.ndarray:
+    """(B, P + 1) int64 self mask of a step over a right-aligned past of P positions: row i attends
+    to its last lengths[i] past positions and its new token (at P)."""
+    mask = np.zeros((len(lengths), P + 1), np.int64)
+    for i, n in enumerate(lengths):
+        mask[i, P - n:] = 1
+    return mask
+
+
 @dataclass
 class EncoderState:
     """What the decoder needs from one encoder pass (per batch row)."""
@@ -117,6 +157,20 @@ class EncoderState:
     def select(self, rows: np.ndarray) -> EncoderState:
         """The state for the given batch rows (beam search repeats rows)."""
         return EncoderState([c[rows] for c in self.cross], self.encoder_mask[rows])
+
+    def aligned(self) -> EncoderState:
+        """The state as a decoder step reads it (KEY_ALIGNMENT): each row's positions up to its last
+        real token, zeros after, the source axis `aligned_key_length` of the longest (the
+        encoder's output is padded to the block size instead)."""
+        lengths = [int(np.flatnonzero(m)[-1]) + 1 if m.any() else 1 for m in self.encoder_mask]  # per row
+        Se = aligned_key_length(max(lengths))
+        mask = np.zeros((len(lengths), Se), np.int64)  # (B, Se)
+        cross = [np.zeros(c.shape[:2] + (Se,) + c.shape[3:], c.dtype) for c in self.cross]  # (B, H, Se, D)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = self.encoder_mask[i, :n]
+            for a, c in zip(cross, self.cross):
+                a[i, :, :n] = c[i, :, :n]
+        return EncoderState(cross, mask)
 
 
 class OnnxModel:
@@ -272,9 +326,10 @@ class OnnxModel:
         cross = self.sessions["encoder"].run(self.decoder_graph.cross, feed)
         return EncoderState(cross, feed["attention_mask"])
 
-    def empty_past(self, batch: int) -> list[np.ndarray]:
+    def empty_past(self, batch: int, length: int = 0) -> list[np.ndarray]:
+        """A past of `length` positions of zeros (to be masked), per layer key and value."""
         d = self.manifest.decoder
-        shape = (batch, d["num_heads"], 0, d["head_dim"])
+        shape = (batch, d["num_heads"], length, d["head_dim"])
         return [np.zeros(shape, self.float_type) for _ in range(2 * d["num_layers"])]
 
     def decoder_step(self, state: EncoderState, input_ids, position_ids, self_mask, past):

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from longdoc.export.generation import generated_tokens, search_defaults  # numpy only, no torch
 from longdoc.model.search import SearchSettings, StepConstraints, constrained_argmax
-from longdoc.export.runtime import parse_device
+from longdoc.export.runtime import KEY_ALIGNMENT, aligned_key_length, aligned_self_mask, next_past_window, parse_device
 from longdoc.service.batching import bucket_length, budget_groups
 
 
@@ -438,18 +438,9 @@ class DeviceDecoder:
       replays them (CUDA only). While a shape is captured, nothing else may run on the GPU, so
       its first runs and the encoder exclude each other (`_exclusive`)."""
 
-    # A sequence's logits do not depend on its batch (issue 40; tests/service/test_batch_invariance.py)
-    # because every key axis a step reduces over has a length that is a multiple of KEY_ALIGNMENT
-    # (the cross state's; the cache's, whose new key sits at its end) and each sequence's keys sit at
-    # the same places modulo KEY_ALIGNMENT as when it decodes alone: its cross state from position 0,
-    # padded after; its cache at t = index t (fixed-shape steps) or right-aligned against the new
-    # key (dynamic steps: the past left-padded to a multiple of KEY_ALIGNMENT again after every
-    # step). ONNX Runtime's CPU kernels (MLAS) then add a key's terms in the same order whatever the
-    # axis length: Softmax sums in 16 lanes (AVX-512; 8 with AVX2), the one-row P.V product takes the
-    # keys in groups of 4 and Q.K^T works in column blocks of 16, so the masked padding adds exact
-    # zeros. Cropped to the longest sequence and left-padded to the longest row, as dynamic steps
-    # were, a row's keys moved between lanes and groups, and its logits in their last bits.
-    KEY_ALIGNMENT = 16
+    # A sequence's logits do not depend on its batch, and are those `longdoc eval` gets (issue 40):
+    # every key axis aligned by export/runtime.py's rule (KEY_ALIGNMENT says why)
+    KEY_ALIGNMENT = KEY_ALIGNMENT
     MIN_CACHE = KEY_ALIGNMENT  # positions of the smallest fixed-shape cache (a power of two)
     CAPTURE_RUNS = 2  # ONNX Runtime runs a graph once, then captures it on the next run
 
@@ -543,8 +534,8 @@ class DeviceDecoder:
         blocks, a block rounded up to KEY_ALIGNMENT positions (at most the model's longest input,
         so rounded up), so that few shapes serve every length."""
         if self.fixed is None:
-            return bucket_length(n, self.KEY_ALIGNMENT)
-        unit = bucket_length(self.model.manifest.block_size, self.KEY_ALIGNMENT)
+            return aligned_key_length(n)
+        unit = aligned_key_length(self.model.manifest.block_size)
         longest = bucket_length(self.model.manifest.max_length, unit)
         return min(unit << (-(-n // unit) - 1).bit_length(), longest)
 
@@ -629,7 +620,7 @@ class DeviceDecoder:
         when the capacity and P stay (rows moved down by a compaction move with their cache)."""
         longest = max((s.length for s in stay), default=0)  # rows that left need no past: any values do
         if self.fixed is None:  # left-padded to a multiple of KEY_ALIGNMENT
-            P = bucket_length(longest, self.KEY_ALIGNMENT)
+            P = aligned_key_length(longest)
             if stay and P == old.P:  # the rows in their new order (nothing copied if it is the same)
                 return self.regroup.take(old.past, source, 2, 0, P), P
             if stay:
@@ -710,17 +701,19 @@ class DeviceDecoder:
         P = b.P
         rows = b.capacity if self.fixed else len(b.states)
         width = P + 1
-        self_mask = np.zeros((rows, width), dtype=np.int64)  # (B, P + 1)
         ids = np.zeros((rows, 1), dtype=np.int64)  # rows that left (and unused ones): token 0 at position 0,
         positions = np.zeros((rows, 1), dtype=np.int64)  # attending to itself
+        for i, s in enumerate(b.states):
+            if not s.left:
+                ids[i, 0], positions[i, 0] = tokens[at[id(s)]], s.length
+        if self.fixed is None:  # the past right-aligned: each row's last `length` positions
+            self_mask = aligned_self_mask(P, [0 if s.left else s.length for s in b.states])  # (B, P + 1)
+            return self._run_dynamic(b, ids, positions, self_mask)
+        self_mask = np.zeros((rows, width), dtype=np.int64)  # (capacity, P + 1): the cache's first `length`
         self_mask[:, P] = 1
         for i, s in enumerate(b.states):
             if not s.left:
-                # dynamic: the past left-padded, its last `length` positions; fixed: the cache's first
-                self_mask[i, P - s.length if self.fixed is None else 0:][: s.length] = 1
-                ids[i, 0], positions[i, 0] = tokens[at[id(s)]], s.length
-        if self.fixed is None:
-            return self._run_dynamic(b, ids, positions, self_mask)
+                self_mask[i, : s.length] = 1
         K = max([4] + [len(c.banned) for c in constraints or []])  # a power of two: few tail shapes
         K = 1 << (K - 1).bit_length()
         banned = np.full((rows, K), self.vocab, np.int64)  # `vocab`: no token
@@ -767,12 +760,11 @@ class DeviceDecoder:
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         # the next step's past, (B, H, P + 1, D) with the new keys at P, left-padded to a multiple of
-        # KEY_ALIGNMENT again: its oldest position (padding for every row) dropped, or 15 more added
+        # KEY_ALIGNMENT again
         longest = max((s.length for s in b.states if not s.left), default=0) + 1
-        P = bucket_length(longest, self.KEY_ALIGNMENT)
-        b.past = self.regroup.take(outputs[1:], list(range(B)), 2, b.P + 1 - min(P, b.P + 1), b.P + 1,
-                                   pad_before=max(0, P - b.P - 1))
-        b.P = P
+        start, stop, pad_before = next_past_window(b.P, longest)
+        b.past = self.regroup.take(outputs[1:], list(range(B)), 2, start, stop, pad_before=pad_before)
+        b.P = stop - start + pad_before
         return outputs[0].numpy()[:, -1]  # (B, V)
 
 

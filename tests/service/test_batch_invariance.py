@@ -7,13 +7,15 @@ A summary beside others, at the worker: newcomers are encoded as they would be a
 holds one bucket, so a short document is never padded into a longer one's block-sparse attention),
 and each decoder step's logits of a sequence are bitwise those of the sequence decoding alone,
 whatever joins or leaves around it, with either way of running the steps (every key axis a multiple
-of 16 positions, each sequence's keys at the same places modulo 16: DeviceDecoder.KEY_ALIGNMENT)."""
+of 16 positions, each sequence's keys at the same places modulo 16: export/runtime.py KEY_ALIGNMENT).
+`longdoc eval`'s search follows the same rule, so it decodes a summary as the service does."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -22,6 +24,7 @@ import numpy as np
 from longdoc.export.exporter import export_model
 from longdoc.export.manifest import INT8_ATTENTION
 from longdoc.export.registry import LOWERINGS
+from longdoc.export.generation import generated_tokens
 from longdoc.service.workers import OnnxWorker
 from longdoc.testing.tiny_models import (TINY_WORDS, make_tiny_checkpoint, make_tiny_encoder_decoder, make_tiny_export,
                                          make_tiny_led, vocab_size)
@@ -225,3 +228,67 @@ def test_decoder_steps_do_not_depend_on_the_running_batch(summarizers, family, d
         for step, (a, b) in enumerate(zip(alone, together[i])):
             np.testing.assert_array_equal(b, a, err_msg=f"{family} {dtype}: job {i} ({len(job[0])} tokens, joins at "
                                                         f"{job[1]}), step {step}")
+
+
+# --- `longdoc eval` decodes as the service ------------------------------------------------------
+
+EVAL_LENGTHS = (37, 100, 230)  # encoder tokens, none a multiple of KEY_ALIGNMENT
+
+
+@pytest.mark.parametrize("steps", ["dynamic", "fixed"])
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("family", SUMMARIZERS)
+def test_eval_decodes_as_the_service(summarizers, family, dtype, steps):
+    """`longdoc eval`'s search (longdoc.export.generation.generate, what export/evaluate.py runs)
+    gives the service's answers: greedy and beam tokens equal the scheduler's over the worker, and
+    greedy's logits at every step are bitwise the worker's dynamic steps' (both align every key
+    axis by export/runtime.py's KEY_ALIGNMENT rule; at exact lengths they moved in the last bits
+    from the fourth step). Fixed-shape steps run another session (every dimension fixed, other
+    kernels), so their logits are the same only to rounding."""
+    from longdoc.export.generation import generate, settings_for
+
+    worker = OnnxWorker("sum", summarizers(family, dtype), "cpu", threads=1, decoder_steps=steps)
+    model = worker.model
+    seen = []
+    step = model.decoder_step
+    model.decoder_step = lambda *args: (lambda out: seen.append(out[0][:, -1]) or out)(step(*args))
+    docs, answers = [job_ids(n, seed) for seed, n in enumerate(EVAL_LENGTHS)], []
+    for ids in docs:
+        seen.clear()  # every step runs (eos banned)
+        want = generate(model, np.array([ids]), settings=settings_for(model.manifest, max_new_tokens=STEPS,
+                                                                      min_length=STEPS))[0]
+        logits = list(seen)
+        states = worker.begin([ids])
+        for k, token in enumerate(want[:-1]):
+            got = worker.step(states, [token])[0]
+            if steps == "dynamic":
+                np.testing.assert_array_equal(got, logits[k][0], err_msg=f"{len(ids)} tokens, step {k}")
+            else:
+                np.testing.assert_allclose(got, logits[k][0], rtol=0, atol=1e-4, err_msg=f"{len(ids)} tokens, step {k}")
+        worker.release()
+        for beams in (1, 3):
+            s = settings_for(model.manifest, max_new_tokens=STEPS, num_beams=beams)
+            answers.append(generated_tokens(generate(model, np.array([ids]), settings=s)[0], s))
+    assert answers == asyncio.run(service_answers(worker, docs)), f"{family} {dtype} {steps}"
+
+
+async def service_answers(worker: OnnxWorker, docs: list[list[int]]) -> list[list[int]]:
+    """Each document's greedy and beam-3 summary from the decode scheduler over `worker`, one
+    request at a time (each alone in the batch)."""
+    from longdoc.model.search import resolve_settings
+    from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
+    from longdoc.service.metrics import Metrics
+
+    scheduler = DecodeScheduler("sum", WorkerSlot(lambda: worker, worker, 0), Metrics(), max_decode_batch=8,
+                                max_queue_tokens=1 << 20, endpoint="summarize")
+    scheduler.start()
+    try:
+        answers = []
+        for ids in docs:
+            for beams in (1, 3):
+                settings = resolve_settings(worker.info.generation, max_new_tokens=STEPS, num_beams=beams)
+                state = RequestState(deadline=time.monotonic() + 120)
+                answers.append([t async for t in await scheduler.submit(ids, settings, state)])
+        return answers
+    finally:
+        await scheduler.close()

@@ -298,7 +298,7 @@ class _Batch:
 
 DECODER_STEPS = ("dynamic", "fixed", "captured")
 # how a device runs decoder steps unless the settings say (`decoder_steps`); on the CPU both ways
-# keep a sequence's logits bitwise those it has decoding alone (`DeviceDecoder.KEY_ALIGNMENT`), and
+# keep a sequence's logits bitwise those it has decoding alone (export/runtime.py `KEY_ALIGNMENT`), and
 # the choice is their measurement (docs/benchmarks.md, "Fixed-shape decoder steps")
 DEFAULT_DECODER_STEPS = {"cpu": "dynamic", "cuda": "captured"}
 
@@ -440,7 +440,6 @@ class DeviceDecoder:
 
     # A sequence's logits do not depend on its batch, and are those `longdoc eval` gets (issue 40):
     # every key axis aligned by export/runtime.py's rule (KEY_ALIGNMENT says why)
-    KEY_ALIGNMENT = KEY_ALIGNMENT
     MIN_CACHE = KEY_ALIGNMENT  # positions of the smallest fixed-shape cache (a power of two)
     CAPTURE_RUNS = 2  # ONNX Runtime runs a graph once, then captures it on the next run
 

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from longdoc.export.runtime import KEY_ALIGNMENT
 from longdoc.model.search import StepConstraints, resolve_settings
 from longdoc.service.batcher import DecodeScheduler, RequestState, WorkerSlot
 from longdoc.service.batching import bucket_length, budget_groups
@@ -120,7 +121,7 @@ def test_cross_state_is_copied_to_the_device_once(summarizer):
         logits = worker.step([states[i] for i in live], [fed[i][-1] for i in live])
         sent = sum(dec.copied.values()) - before
         # rows (those that left ride along); the step's past: the longest, left-padded to KEY_ALIGNMENT
-        B, P = len(dec.rows), bucket_length(max(len(fed[i]) - 1 for i in live), dec.KEY_ALIGNMENT)
+        B, P = len(dec.rows), bucket_length(max(len(fed[i]) - 1 for i in live), KEY_ALIGNMENT)
         per_step = 8 * B * (P + 3)  # ids, positions, self mask (int64)
         masks = 8 * B * dec.source_length
         assert sent in (per_step, per_step + masks), (step, sent)  # the encoder mask only when the batch changes
@@ -239,7 +240,7 @@ def test_the_buffers_shrink_when_the_longest_sequence_has_gone(summarizer):
             fed[i].append(int(row.argmax()))
         if live == (0, 1):
             long_se = dec.source_length
-    assert dec.source_length == bucket_length(max(s.encoder_length for s in states[1:]), dec.KEY_ALIGNMENT)
+    assert dec.source_length == bucket_length(max(s.encoder_length for s in states[1:]), KEY_ALIGNMENT)
     assert dec.source_length <= long_se // 2
     for i in (1, 2):
         want = one_sequence_logits(model, docs[i], fed[i][:-1])
@@ -268,7 +269,7 @@ def test_a_batch_mostly_gone_is_compacted(summarizer):
     assert len(dec.rows) == 1 and dec.regroups == 2  # one of four left: it rides along; three: compacted
     row_bytes = dec.heads * dec.source_length * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
     # one row's past: moved down, then realigned after its step (KEY_ALIGNMENT positions, 3 steps in)
-    past_bytes = dec.heads * dec.KEY_ALIGNMENT * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
+    past_bytes = dec.heads * KEY_ALIGNMENT * dec.head_dim * model.float_type(0).itemsize * len(dec.kv)
     assert moves[3] == row_bytes + 2 * past_bytes  # the last row moved down into the first: one row's copy
     assert dec.capacity == 4  # the buffers stay, for the rows to come
     want = one_sequence_logits(model, docs[3], fed[:-1])
